@@ -1,0 +1,1 @@
+"""Text -> token samples -> per-layer activation statistics, and the layer-by-layer runner."""

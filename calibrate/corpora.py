@@ -1,0 +1,213 @@
+"""Text sources, token windows and seeded sampling.
+
+Named corpora come in disjoint calibration / held-out pairs; every document carries an id
+(`austen/emma`, `pydoc/assert`, `file:<sha>/<line>`) so a stage can prove that evaluation text
+was never calibration text. A corpus spec joins parts with `+`
+(`austen-calib+pydoc-calib`); calibration draws an equal share of samples from each part, so
+one large part does not crowd out the other domain.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from pipelines.errors import LmpressError, require
+from pipelines.models import cache_root
+
+AUSTEN_NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility")
+AUSTEN_HELDOUT = ("prideprejudice",)
+PYDOC_HELDOUT_EVERY = 5  # every 5th topic (in sorted order) is held out
+
+_AUSTEN_DATA = Path("usr/lib/R/site-library/janeaustenr/data")
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _austen_data_dir() -> Path:
+    for root in (cache_root() / "janeaustenr", Path("/")):
+        if (root / _AUSTEN_DATA / "Rdata.rdb").is_file():
+            return root / _AUSTEN_DATA
+    raise LmpressError(
+        "the Austen novels are not installed; run scripts/setup.sh (it unpacks Debian's r-cran-janeaustenr "
+        f"into {cache_root() / 'janeaustenr'})"
+    )
+
+
+@lru_cache(maxsize=1)
+def austen_novels() -> dict[str, str]:
+    """The six novels from the R package's lazy-load database, parsed without R: the index is
+    gzip'd R serialization; each object in the .rdb is a 4-byte length (skipped) then a zlib stream."""
+    import warnings
+
+    import rdata
+
+    data = _austen_data_dir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rdata warns that the raw stream has no file-type magic
+        index = rdata.conversion.convert(rdata.parser.parse_data(gzip.decompress((data / "Rdata.rdx").read_bytes())))
+        blob = (data / "Rdata.rdb").read_bytes()
+        novels = {}
+        for name, (offset, length) in index["variables"].items():
+            record = blob[int(offset) : int(offset) + int(length)]
+            lines = rdata.conversion.convert(rdata.parser.parse_data(zlib.decompress(record[4:])))
+            novels[str(name)] = "\n".join(str(line) for line in lines)
+    return novels
+
+
+def _austen(held_out: bool) -> list[Document]:
+    novels = austen_novels()
+    names = AUSTEN_HELDOUT if held_out else [n for n in AUSTEN_NOVELS if n not in AUSTEN_HELDOUT]
+    return [Document(f"austen/{name}", novels[name]) for name in names]
+
+
+def _pydoc(held_out: bool) -> list[Document]:
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    return [
+        Document(f"pydoc/{name}", topics[name])
+        for i, name in enumerate(names)
+        if (i % PYDOC_HELDOUT_EVERY == 0) == held_out
+    ]
+
+
+NAMED_CORPORA = {
+    "austen-calib": lambda: _austen(held_out=False),
+    "austen-heldout": lambda: _austen(held_out=True),
+    "pydoc-calib": lambda: _pydoc(held_out=False),
+    "pydoc-heldout": lambda: _pydoc(held_out=True),
+}
+
+
+def _file_documents(path: Path) -> list[Document]:
+    require(path.is_file(), f"corpus file {path} does not exist; pass an existing .txt or .jsonl file")
+    raw = path.read_bytes()
+    tag = f"file:{hashlib.sha256(raw).hexdigest()[:16]}"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise LmpressError(f"corpus file {path} is not UTF-8 text; convert it to UTF-8") from error
+    if path.suffix == ".txt":
+        return [Document(tag, text)]
+    documents = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            document = json.loads(line)["text"]
+            require(isinstance(document, str), "")
+        except (json.JSONDecodeError, KeyError, TypeError, LmpressError) as error:
+            raise LmpressError(
+                f'line {number} of {path} is not a JSON object with a string "text" field; fix or remove it'
+            ) from error
+        documents.append(Document(f"{tag}/{number}", document))
+    return documents
+
+
+def load_corpus_part(part: str) -> list[Document]:
+    """Documents of one named corpus or one user file."""
+    if part in NAMED_CORPORA:
+        return NAMED_CORPORA[part]()
+    path = Path(part).expanduser()
+    if path.suffix in (".txt", ".jsonl"):
+        return _file_documents(path)
+    raise LmpressError(
+        f"unknown corpus '{part}'; use one of {', '.join(NAMED_CORPORA)} or a path to a .txt or .jsonl file"
+    )
+
+
+def corpus_parts(spec: str) -> list[str]:
+    parts = [part.strip() for part in spec.split("+") if part.strip()]
+    require(bool(parts), "empty corpus spec; name a corpus such as austen-calib+pydoc-calib")
+    return parts
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+@dataclass
+class TokenizedPart:
+    name: str
+    documents: list[str]  # document ids
+    tokens: torch.Tensor  # 1-D int64
+
+
+def tokenize_part(part: str, tokenizer) -> TokenizedPart:
+    """The part's documents joined by blank lines, tokenized once without special tokens (the
+    windows are slices of running text, not separate prompts)."""
+    documents = load_corpus_part(part)
+    text = "\n\n".join(document.text for document in documents)
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return TokenizedPart(part, [d.id for d in documents], torch.tensor(ids, dtype=torch.int64))
+
+
+def _windows_available(part: TokenizedPart, length: int, needed: int) -> int:
+    available = part.tokens.numel() // length
+    require(
+        available >= needed,
+        f"corpus '{part.name}' has {part.tokens.numel()} tokens, {available} windows of {length}, fewer than the "
+        f"{needed} needed; use fewer samples, shorter sequences or more text",
+    )
+    return available
+
+
+@dataclass
+class Samples:
+    """Token windows and where each came from (`part:token_offset`)."""
+
+    input_ids: torch.Tensor  # [n, length] int64
+    sample_ids: list[str]
+    documents: list[str]
+
+    def data_hash(self) -> str:
+        return hashlib.sha256(self.input_ids.contiguous().numpy().tobytes()).hexdigest()
+
+
+def sample_windows(spec: str, tokenizer, samples: int, length: int, seed: int) -> Samples:
+    """`samples` disjoint windows of `length` tokens, drawn with `seed`, an equal share from
+    each part of the spec."""
+    require(samples > 0, f"samples must be positive (got {samples}); pass e.g. --samples 128")
+    require(length > 1, f"sequence length must be at least 2 (got {length}); pass e.g. --seq-len 512")
+    parts = [tokenize_part(part, tokenizer) for part in corpus_parts(spec)]
+    shares = [samples // len(parts) + (i < samples % len(parts)) for i in range(len(parts))]
+    generator = torch.Generator().manual_seed(seed)
+    windows, ids = [], []
+    for part, share in zip(parts, shares):
+        available = _windows_available(part, length, share)
+        chosen = torch.randperm(available, generator=generator)[:share].sort().values
+        for index in chosen.tolist():
+            windows.append(part.tokens[index * length : (index + 1) * length])
+            ids.append(f"{part.name}:{index * length}")
+    documents = [doc for part in parts for doc in part.documents]
+    return Samples(torch.stack(windows), ids, documents)
+
+
+def leading_windows(part: TokenizedPart, windows: int, length: int) -> torch.Tensor:
+    """The first `windows` consecutive windows of a held-out part: a fixed evaluation slice."""
+    require(windows > 0, f"windows must be positive (got {windows})")
+    _windows_available(part, length, windows)
+    return part.tokens[: windows * length].view(windows, length).clone()
+
+
+def check_disjoint(calibration_documents: list[str], evaluation_documents: list[str], corpus: str) -> None:
+    overlap = sorted(set(calibration_documents) & set(evaluation_documents))
+    require(
+        not overlap,
+        f"evaluation corpus '{corpus}' overlaps the calibration text ({', '.join(overlap[:3])}); evaluate on held-out "
+        "text such as austen-heldout or pydoc-heldout",
+    )

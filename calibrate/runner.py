@@ -1,0 +1,105 @@
+"""Walk a causal LM one decoder layer at a time over a fixed set of token samples.
+
+    runner = LayerRunner(model, input_ids, batch_size=8)
+    for index, layer in runner:
+        ...                                   # hooks, runner.forward(layer, propagate=False),
+        ...                                   # change the layer's weights
+    # after each step the samples are propagated through the (possibly changed) layer, so layer
+    # i+1 sees the outputs of the layer i that the stage left behind.
+
+Only the current layer runs on `device` (the rest of the model stays where it was loaded), and
+only one set of hidden states (one per batch) is held between layers, so activation memory
+does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from pipelines.models import decoder_layers
+
+
+def _to(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: _to(item, device) for key, item in value.items()}
+    return value
+
+
+class LayerRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        batch_size: int = 8,
+        device: torch.device | str | None = None,
+        on_layer_done: Callable[[int], None] | None = None,
+    ):
+        self.model = model
+        self.layers = decoder_layers(model)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.on_layer_done = on_layer_done
+        self.hidden, self.calls = self._record_layer_calls(input_ids, batch_size)
+        self._propagated = False
+
+    @torch.no_grad()
+    def _record_layer_calls(self, input_ids: torch.Tensor, batch_size: int):
+        """Run the model once with every decoder layer replaced by a pass-through that records
+        its arguments. The masks and position embeddings a layer receives depend on its type
+        (sliding or global attention in Gemma/Qwen3), so each layer keeps its own; the tensors
+        are shared between layers of one type, so this costs little memory. The base model is
+        called without its LM head, which on many samples would dwarf everything else."""
+        hidden: list[torch.Tensor] = []
+        calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.layers]
+
+        def recorder(index: int):
+            def forward(hidden_states, *args, **kwargs):
+                calls[index].append((args, kwargs))
+                if index == 0:
+                    hidden.append(hidden_states)
+                return hidden_states
+
+            return forward
+
+        for index, layer in enumerate(self.layers):
+            layer.forward = recorder(index)  # instance attribute shadows the class's forward
+        try:
+            for batch in input_ids.split(batch_size):
+                self.model.base_model(input_ids=batch.to(self.device), use_cache=False)
+        finally:
+            for layer in self.layers:
+                del layer.forward
+        return hidden, calls
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[tuple[int, nn.Module]]:
+        for index, layer in enumerate(self.layers):
+            home = next(layer.parameters()).device
+            layer.to(self.device)
+            self._index, self._propagated = index, False
+            yield index, layer
+            if not self._propagated:
+                self.forward(layer)
+            layer.to(home)
+            if self.on_layer_done is not None:
+                self.on_layer_done(index)
+
+    @torch.no_grad()
+    def forward(self, layer: nn.Module, propagate: bool = True) -> None:
+        """Run the current layer on every batch of samples (hooks on it see the real inputs).
+        With `propagate`, its outputs become the inputs of the next layer."""
+        outputs = []
+        for hidden, (args, kwargs) in zip(self.hidden, self.calls[self._index]):
+            output = layer(hidden, *_to(args, self.device), **_to(kwargs, self.device))
+            if propagate:
+                outputs.append(output)
+        if propagate:
+            self.hidden, self._propagated = outputs, True

@@ -1,0 +1,172 @@
+"""Per-layer activation statistics and the calibration artifact that stores them.
+
+For every linear input the collector keeps the second moment E[x x^T] (the Hessian GPTQ and
+SparseGPT need, up to a factor), the mean (with the diagonal: Wanda's input norms and FLAP's
+fluctuation), and the token count. Linears that read the same tensor (q/k/v, gate/up) share
+one entry: the grouping is found by identity of the input tensor, so no per-family table is
+needed. For KV-head merging it also keeps, per layer, the token-averaged cosine similarity
+between every pair of KV heads' key and value outputs (not derivable from the moments).
+
+The calibration artifact:
+    manifest.json                 settings, sample ids, data hash, linear -> group map
+    samples.safetensors           input_ids [samples, seq_len]
+    stats/layer_NNN.safetensors   `<group>.second_moment`, `<group>.mean`, `kv.k_cosine`, ...
+    lineage.json
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from pipelines.artifact import read_json, read_lineage
+from pipelines.errors import LmpressError, require
+
+CALIBRATION_FORMAT = "lmpress-calibration/1"
+
+
+class _Moments:
+    def __init__(self, features: int):
+        self.count = 0
+        self.xtx = torch.zeros(features, features, dtype=torch.float64)
+        self.sum = torch.zeros(features, dtype=torch.float64)
+
+    def add(self, x: torch.Tensor) -> None:
+        # fp32 matmul per batch (fast), fp64 running sum (exact enough over 10^5 tokens)
+        x = x.reshape(-1, x.shape[-1]).float()
+        self.xtx += (x.T @ x).cpu().double()
+        self.sum += x.sum(0).cpu().double()
+        self.count += x.shape[0]
+
+
+class _HeadSimilarity:
+    """Token-averaged cosine similarity between heads of a k/v projection output."""
+
+    def __init__(self, heads: int, head_dim: int):
+        self.heads, self.head_dim, self.count = heads, head_dim, 0
+        self.total = torch.zeros(heads, heads, dtype=torch.float64)
+
+    def add(self, y: torch.Tensor) -> None:
+        y = torch.nn.functional.normalize(y.reshape(-1, self.heads, self.head_dim).float(), dim=-1)
+        self.total += torch.einsum("thd,tgd->hg", y, y).cpu().double()
+        self.count += y.shape[0]
+
+
+class LayerStatisticsCollector:
+    """Hooks on one decoder layer's linears while `runner.forward(layer)` runs."""
+
+    def __init__(self, linears: dict[str, nn.Linear], config):
+        self.linears = linears
+        self.group: dict[str, str] = {}  # linear -> first linear reading the same tensor
+        self._first_inputs: list[tuple[str, torch.Tensor]] = []
+        self.moments: dict[str, _Moments] = {}
+        heads, head_dim = config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.similarity = {"k": _HeadSimilarity(heads, head_dim), "v": _HeadSimilarity(heads, head_dim)}
+        self._handles = []
+
+    def _hook(self, name: str):
+        def hook(module, args, output):
+            x = args[0]
+            if name not in self.group:
+                leader = next((other for other, seen in self._first_inputs if seen is x), name)
+                self.group[name] = leader
+                self._first_inputs.append((name, x))
+                if leader == name:
+                    self.moments[name] = _Moments(x.shape[-1])
+                if len(self.group) == len(self.linears):
+                    self._first_inputs.clear()  # drop the references to the first batch
+            if self.group[name] == name:
+                self.moments[name].add(x)
+            if name.endswith(("k_proj", "v_proj")):
+                self.similarity[name[-6]].add(output)
+
+        return hook
+
+    def __enter__(self):
+        self._handles = [module.register_forward_hook(self._hook(name)) for name, module in self.linears.items()]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, m in self.moments.items():
+            out[f"{name}.second_moment"] = (m.xtx / m.count).float().contiguous()
+            out[f"{name}.mean"] = (m.sum / m.count).float().contiguous()
+        for kind, s in self.similarity.items():
+            out[f"kv.{kind}_cosine"] = (s.total / s.count).float().contiguous()
+        return out
+
+    @property
+    def tokens(self) -> int:
+        return next(iter(self.moments.values())).count
+
+
+@dataclass
+class LinearStatistics:
+    """What a compressor reads about one linear's input."""
+
+    second_moment: torch.Tensor  # E[x x^T], [in, in]
+    mean: torch.Tensor  # E[x], [in]
+    tokens: int
+
+    @property
+    def xtx(self) -> torch.Tensor:
+        return self.second_moment * self.tokens
+
+    @property
+    def channel_norm(self) -> torch.Tensor:
+        """||X_j||_2 over all calibration tokens (Wanda's activation norm)."""
+        return (self.second_moment.diagonal() * self.tokens).clamp_min(0).sqrt()
+
+    @property
+    def channel_variance(self) -> torch.Tensor:
+        """Var[x_j] over tokens (FLAP's fluctuation)."""
+        return (self.second_moment.diagonal() - self.mean**2).clamp_min(0)
+
+
+class CalibrationData:
+    """Read side of the calibration artifact; loads one layer's statistics at a time."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        require(self.folder.is_dir(), f"calibration artifact {self.folder} does not exist; run `lmpress calibrate` first")
+        self.manifest = read_json(self.folder / "manifest.json", "re-run `lmpress calibrate`")
+        require(
+            self.manifest.get("format") == CALIBRATION_FORMAT,
+            f"{self.folder} is not an lmpress calibration artifact; run `lmpress calibrate`",
+        )
+        self.lineage = read_lineage(self.folder)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return load_file(self.folder / "samples.safetensors")["input_ids"]
+
+    def check_model(self, base_weights_sha256: str) -> None:
+        calibrated = self.lineage["chain"][0]["weights_sha256"]
+        require(
+            calibrated == base_weights_sha256,
+            f"calibration {self.folder} was made for another base model; re-run `lmpress calibrate` for this model",
+        )
+
+    def layer(self, index: int) -> dict[str, LinearStatistics]:
+        """linear path inside the layer -> its input statistics."""
+        try:
+            tensors = load_file(self.folder / "stats" / f"layer_{index:03d}.safetensors")
+        except FileNotFoundError as error:
+            raise LmpressError(f"{self.folder} has no statistics for layer {index}; re-run `lmpress calibrate`") from error
+        tokens = self.manifest["tokens"]
+        return {
+            linear: LinearStatistics(tensors[f"{group}.second_moment"], tensors[f"{group}.mean"], tokens)
+            for linear, group in self.manifest["groups"].items()
+        }
+
+    def head_similarity(self, index: int) -> dict[str, torch.Tensor]:
+        tensors = load_file(self.folder / "stats" / f"layer_{index:03d}.safetensors")
+        return {"k": tensors["kv.k_cosine"], "v": tensors["kv.v_cosine"]}

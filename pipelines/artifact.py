@@ -1,0 +1,189 @@
+"""Artifact I/O: atomic directory writes and the lineage manifest.
+
+Every stage writes into a hidden temporary sibling and renames it into place only when it is
+complete, so an interrupted stage never leaves a half artifact and never destroys a good one.
+
+The lineage manifest (`lineage.json`) is a chain of stage records, base model first; each
+stage appends its record to its parent's chain, so the whole history reads from the last
+artifact alone. A record's `run` part (wall time, peak memory, date) varies between runs and
+is left out of the manifest hash, which identifies the artifact's content and recipe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import resource
+import shutil
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Iterator
+
+from pipelines.errors import LmpressError, require
+
+LINEAGE_FILE = "lineage.json"
+LINEAGE_FORMAT = "lmpress-lineage/1"
+_PACKAGES = ("calibrate", "compressors", "pipelines")
+
+
+def write_json(path: Path, data) -> None:
+    """Stable JSON (sorted keys), so equal content gives equal bytes."""
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError as error:
+        raise LmpressError(f"{path} is missing; {what}") from error
+    except json.JSONDecodeError as error:
+        raise LmpressError(f"{path} is not valid JSON ({error.msg}); {what}") from error
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_leftovers(out: Path) -> None:
+    """Remove temporaries of runs that died (SIGKILL, power loss); restore a good output that
+    was moved aside when the swap was cut between its two renames."""
+    for leftover in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = leftover.name.rpartition("-")
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        if kind.endswith(".old") and not out.exists():
+            os.rename(leftover, out)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+@contextmanager
+def atomic_directory(out: Path) -> Iterator[Path]:
+    """Yield a temporary directory that becomes `out` only if the block completes."""
+    out = Path(out)
+    require(not out.is_file(), f"output path {out} is a file; pass a directory path or remove the file")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(out)
+    pid = os.getpid()
+    tmp = out.parent / f".{out.name}.partial-{pid}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{pid}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out)
+
+
+# --------------------------------------------------------------------------- lineage
+
+
+def code_version() -> str:
+    """sha256 of lmpress's own source files: identifies the code with or without git."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for package in _PACKAGES:
+        for file in sorted((root / package).rglob("*.py")):
+            digest.update(str(file.relative_to(root)).encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in ("lmpress", "torch", "transformers", "safetensors", "tokenizers"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def _without_run(record: dict) -> dict:
+    return {key: value for key, value in record.items() if key != "run"}
+
+
+def chain_hash(chain: list[dict]) -> str:
+    canonical = json.dumps([_without_run(record) for record in chain], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def base_record(spec: str, folder: Path, config) -> dict:
+    """The first link of every chain: which base model, by its weights' hash."""
+    from pipelines.models import BUILTIN_MODELS, weights_hash
+
+    license_file = folder / "LICENSE.json"
+    builtin = BUILTIN_MODELS.get(spec)
+    return {
+        "stage": "base",
+        "model": spec,
+        "model_type": config.model_type,
+        "weights_sha256": weights_hash(folder),
+        "license": builtin.license if builtin else (json.loads(license_file.read_text())["license"] if license_file.is_file() else "unknown"),
+    }
+
+
+def read_lineage(folder: Path) -> dict | None:
+    path = Path(folder) / LINEAGE_FILE
+    if not path.is_file():
+        return None
+    lineage = read_json(path, "re-run the stage that made this artifact")
+    require(lineage.get("format") == LINEAGE_FORMAT, f"{path} is not an lmpress lineage manifest; re-run the stage")
+    return lineage
+
+
+def model_chain(spec: str, folder: Path, config) -> list[dict]:
+    """The chain of a model: its own lineage if lmpress made it, else a fresh base record."""
+    lineage = read_lineage(folder)
+    return lineage["chain"] if lineage else [base_record(spec, folder, config)]
+
+
+class StageRun:
+    """Times a stage and records its peak resident memory, for the record's `run` part."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def info(self) -> dict:
+        return {
+            "wall_time_s": round(time.perf_counter() - self.start, 3),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(),
+        }
+
+
+def write_lineage(folder: Path, parent_chain: list[dict], record: dict, run: StageRun) -> dict:
+    """Append this stage's record to its parent's chain and write `lineage.json`."""
+    record = {
+        **record,
+        "parent_hash": chain_hash(parent_chain),
+        "versions": package_versions(),
+        "code_version": code_version(),
+        "run": run.info(),
+    }
+    chain = [*parent_chain, record]
+    lineage = {"format": LINEAGE_FORMAT, "hash": chain_hash(chain), "chain": chain}
+    write_json(Path(folder) / LINEAGE_FILE, lineage)
+    return lineage

