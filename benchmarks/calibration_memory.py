@@ -1,0 +1,99 @@
+"""Calibration of the real model: wall time, peak resident memory, and memory per layer.
+
+    .venv/bin/python benchmarks/calibration_memory.py [--samples 128] [--seq-len 512]
+
+A sampler thread reads this process's RSS every 0.1 s and, from the stats files in the
+stage's temporary folder, how many layers are done; so the figures come from the very stage
+function the CLI and DVC run. Peak memory should be the model plus two copies of the samples'
+hidden states (inputs and outputs of the current layer) plus the current layer's working set,
+flat across layers; it must not grow with the number of layers processed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMPRESS_QUIET", "1")
+
+from pipelines.stages import CalibrateConfig, calibrate  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "calibration_memory.json")
+    args = parser.parse_args()
+
+    process = psutil.Process()
+    work = Path(tempfile.mkdtemp())
+    out = work / "calibration"
+    samples: list[tuple[float, int, int]] = []  # (seconds, rss bytes, layers done)
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def sample():
+        while not done.is_set():
+            partial = next(iter(work.glob(".calibration.partial-*/stats")), None)
+            layers = len(list(partial.glob("*.safetensors"))) if partial else 0
+            samples.append((time.perf_counter() - start, process.memory_info().rss, layers))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    config = CalibrateConfig(samples=args.samples, seq_len=args.seq_len, batch_size=args.batch_size)
+    calibrate(args.model, out, config)
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+
+    from transformers import AutoConfig
+
+    from pipelines.models import resolve_model
+
+    model_config = AutoConfig.from_pretrained(resolve_model(args.model))
+    layers = model_config.num_hidden_layers
+    by_layer = {}
+    for _, rss, layer in samples:
+        if 1 <= layer < layers:
+            by_layer[layer] = max(by_layer.get(layer, 0), rss)
+    first, last = by_layer[min(by_layer)], by_layer[max(by_layer)]
+    model_bytes = sum(f.stat().st_size for f in resolve_model(args.model).glob("*.safetensors"))
+    hidden_bytes = args.samples * args.seq_len * model_config.hidden_size * 4
+    stats_bytes = sum(f.stat().st_size for f in (out / "stats").glob("*.safetensors"))
+    result = {
+        "model": args.model,
+        "samples": args.samples,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count())),
+        "wall_time_s": round(wall, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "model_weights_mb": round(model_bytes / 2**20),
+        "hidden_states_mb_per_copy": round(hidden_bytes / 2**20),
+        "rss_mb_after_layer": {layer: round(rss / 2**20) for layer, rss in sorted(by_layer.items())},
+        "rss_growth_mb_per_layer": round((last - first) / 2**20 / max(1, max(by_layer) - min(by_layer)), 2),
+        "stats_mb_on_disk": round(stats_bytes / 2**20),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    summary = {k: v for k, v in result.items() if k != "rss_mb_after_layer"}
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

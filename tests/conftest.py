@@ -1,0 +1,85 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMPRESS_QUIET", "1")
+torch.set_num_threads(1)
+
+REAL_MODEL = "smollm2-135m"
+
+
+def tiny_config(family: str):
+    """A random-init config of each supported family, small enough to build in milliseconds.
+    Sliding windows are shorter than the test sequences, so per-layer masks matter."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    return {
+        "llama": lambda: tf.LlamaConfig(**common),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=8),
+        "qwen2": lambda: tf.Qwen2Config(**common),
+        "qwen3": lambda: tf.Qwen3Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=2),
+        "gemma2": lambda: tf.Gemma2Config(**common, sliding_window=8, final_logit_softcapping=30.0),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(**common, sliding_window=8, sliding_window_pattern=2),
+    }[family]()
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"]
+
+
+def tiny_model(family: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="session")
+def real_model_folder() -> Path:
+    from pipelines.models import resolve_model
+
+    return resolve_model(REAL_MODEL)
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_model_folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(real_model_folder)
+
+
+@pytest.fixture
+def tiny_folder(tmp_path, real_model_folder) -> Path:
+    """A tiny Llama saved as a HF folder with the real tokenizer (vocab sized to match)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = tiny_config("llama")
+    config.vocab_size = 49152
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(real_model_folder).save_pretrained(folder)
+    return folder
+
+
+def run_cli(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, timeout=timeout, env={**os.environ, "LMPRESS_QUIET": "1"},
+    )
+
+
+def leftovers(out: Path) -> list[Path]:
+    """Temporaries a stage left beside its output."""
+    return sorted(out.parent.glob(f".{out.name}.*"))

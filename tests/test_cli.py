@@ -1,0 +1,161 @@
+"""The CLI as a user runs it: bad input gets one line naming the fix, a non-zero exit, no
+traceback and no partial artifact; interrupts leave nothing half-written; reruns complete."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import REAL_MODEL, leftovers, run_cli
+
+SMALL = ["--samples", "4", "--seq-len", "32", "--batch-size", "2"]
+
+
+def assert_user_error(result, pattern: str, out: Path | None = None):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert pattern in lines[0], lines[0]
+    if out is not None:
+        assert not out.exists() and leftovers(out) == []
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    out = tmp_path / "cal"
+    assert_user_error(run_cli("calibrate", "--model", tmp_path / "nope", "--out", out, *SMALL), "does not exist; pass an existing folder", out)
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "cal"
+    assert_user_error(run_cli("calibrate", "--model", tmp_path / "empty", "--out", out, *SMALL), "has no config.json", out)
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "cal"
+    assert_user_error(
+        run_cli("calibrate", "--model", tmp_path / "gpt2", "--out", out, *SMALL),
+        "model type 'gpt2' is not supported; lmpress supports llama, mistral, qwen2, qwen3, gemma2, gemma3_text", out,
+    )
+
+
+def test_truncated_safetensors(tmp_path, tiny_folder):
+    weights = tiny_folder / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    out = tmp_path / "cal"
+    assert_user_error(run_cli("calibrate", "--model", tiny_folder, "--out", out, *SMALL), "is truncated", out)
+
+
+def test_corpus_shorter_than_samples_times_length(tmp_path):
+    (tmp_path / "short.txt").write_text("Too short to calibrate on.")
+    out = tmp_path / "cal"
+    result = run_cli("calibrate", "--corpus", tmp_path / "short.txt", "--out", out, "--samples", "8", "--seq-len", "512")
+    assert_user_error(result, "fewer than the 8 needed; use fewer samples, shorter sequences or more text", out)
+
+
+def test_unknown_corpus_name(tmp_path):
+    out = tmp_path / "cal"
+    assert_user_error(run_cli("calibrate", "--corpus", "wikitext", "--out", out, *SMALL), "unknown corpus 'wikitext'", out)
+
+
+def test_non_positive_sample_count(tmp_path):
+    out = tmp_path / "cal"
+    assert_user_error(run_cli("calibrate", "--out", out, "--samples", "0"), "samples must be positive (got 0)", out)
+
+
+def test_output_path_that_is_a_file(tmp_path):
+    out = tmp_path / "taken"
+    out.write_text("precious")
+    assert_user_error(run_cli("calibrate", "--out", out, *SMALL), "is a file")
+    assert out.read_text() == "precious"
+
+
+def test_help_explains_every_option():
+    result = run_cli("calibrate", "--help")
+    assert result.returncode == 0
+    for option in ("--out", "--model", "--corpus", "--samples", "--seq-len", "--batch-size", "--seed"):
+        assert option in result.stdout
+
+
+def test_calibration_is_byte_identical_for_the_same_seed(tmp_path):
+    """Same model, text and seed: identical samples and statistics, byte for byte; and
+    `lmpress info` reads the lineage back."""
+    runs = []
+    for name in ("a", "b"):
+        result = run_cli("calibrate", "--model", REAL_MODEL, "--out", tmp_path / name, "--samples", "4", "--seq-len", "64", "--seed", "7")
+        assert result.returncode == 0, result.stderr
+        runs.append(tmp_path / name)
+    files = sorted(p.relative_to(runs[0]) for p in runs[0].rglob("*.safetensors"))
+    assert len(files) == 31  # samples + 30 layers
+    for file in files:
+        assert (runs[0] / file).read_bytes() == (runs[1] / file).read_bytes(), file
+    a, b = (json.loads((run / "lineage.json").read_text()) for run in runs)
+    assert a["hash"] == b["hash"]
+    manifest = json.loads((runs[0] / "manifest.json").read_text())
+    assert manifest["tokens"] == 4 * 64 and len(manifest["sample_ids"]) == 4
+    assert load_file(runs[0] / "samples.safetensors")["input_ids"].shape == (4, 64)
+    info = run_cli("info", runs[0])
+    assert info.returncode == 0 and "calibrate" in info.stdout and a["hash"][:16] in info.stdout
+
+
+def _start_calibration(out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "calibrate", "--model", REAL_MODEL, "--out", str(out),
+         "--samples", "16", "--seq-len", "256", "--batch-size", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "LMPRESS_QUIET": "1"},
+    )
+
+
+def _wait_for_layers(out: Path, layers: int, timeout: float = 300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(len(list((p / "stats").glob("*.safetensors"))) >= layers for p in leftovers(out)):
+            return
+        time.sleep(0.2)
+    raise AssertionError("calibration made no progress")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_interrupted_calibration_leaves_no_artifact_and_reruns(tmp_path, sig):
+    out = tmp_path / "cal"
+    process = _start_calibration(out)
+    _wait_for_layers(out, 5)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert not out.exists()
+    if sig == signal.SIGINT:
+        assert process.returncode == 130 and "Traceback" not in stderr and "interrupted" in stderr
+        assert leftovers(out) == []
+    rerun = run_cli("calibrate", "--model", REAL_MODEL, "--out", out, "--samples", "4", "--seq-len", "64")
+    assert rerun.returncode == 0, rerun.stderr
+    assert len(list((out / "stats").glob("*.safetensors"))) == 30 and leftovers(out) == []
+
+
+def test_evaluate_base_then_rescore_against_the_cached_reference(tmp_path):
+    """The first run builds the reference from the base (one pass); the second scores the base
+    against it for real: KL 0, full agreement, same perplexity. Perplexity on held-out Austen is
+    in the range the base model is known for (a broken conversion gives thousands)."""
+    args = ["evaluate", REAL_MODEL, "--reference", tmp_path / "ref", "--windows", "2", "--seq-len", "128"]
+    first = run_cli(*args, "--out", tmp_path / "m1.json")
+    assert first.returncode == 0, first.stderr
+    second = run_cli(*args, "--out", tmp_path / "m2.json")
+    assert second.returncode == 0, second.stderr
+    m1, m2 = (json.loads((tmp_path / f"m{i}.json").read_text()) for i in (1, 2))
+    for corpus in ("austen-heldout", "pydoc-heldout"):
+        assert m2[corpus]["kl_to_base"] < 1e-5 and m2[corpus]["top1_agreement"] == 1.0
+        assert abs(m1[corpus]["perplexity"] - m2[corpus]["perplexity"]) < 1e-3
+    assert 10 < m1["austen-heldout"]["perplexity"] < 40
+    assert m1["parameters"] == 134_515_008 and m1["bits_per_weight"] == 32.0
+    mismatch = run_cli(*args[:-2], "--seq-len", "64")
+    assert_user_error(mismatch, "was built with windows=2, seq_len=128")

@@ -1,0 +1,69 @@
+import json
+
+import pytest
+import torch
+
+from calibrate.corpora import (
+    NAMED_CORPORA, austen_novels, check_disjoint, corpus_parts, leading_windows, load_corpus_part, sample_windows, tokenize_part,
+)
+from pipelines.errors import LmpressError
+
+
+def test_austen_novels_parse_from_the_debian_package():
+    novels = austen_novels()
+    assert sorted(novels) == sorted(["emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"])
+    assert novels["prideprejudice"].startswith("PRIDE AND PREJUDICE")
+    assert "It is a truth universally acknowledged" in novels["prideprejudice"]
+    assert sum(len(text.split()) for text in novels.values()) > 700_000
+
+
+@pytest.mark.parametrize("domain", ["austen", "pydoc"])
+def test_calibration_and_heldout_parts_never_share_a_document(domain):
+    calib = {d.id for d in NAMED_CORPORA[f"{domain}-calib"]()}
+    heldout = {d.id for d in NAMED_CORPORA[f"{domain}-heldout"]()}
+    assert calib and heldout and not calib & heldout
+    with pytest.raises(LmpressError, match="overlaps the calibration text"):
+        check_disjoint(sorted(calib), sorted(calib)[:1], f"{domain}-calib")
+
+
+def test_user_txt_and_jsonl_files(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two", "x": 1}) + "\n")
+    assert [d.text for d in load_corpus_part(str(tmp_path / "a.txt"))] == ["plain text"]
+    docs = load_corpus_part(str(tmp_path / "b.jsonl"))
+    assert [d.text for d in docs] == ["one", "two"] and docs[0].id != docs[1].id
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(LmpressError, match='line 2 of .* "text" field'):
+        load_corpus_part(str(tmp_path / "bad.jsonl"))
+
+
+def test_unknown_corpus_and_empty_spec():
+    with pytest.raises(LmpressError, match="unknown corpus 'novels'; use one of austen-calib"):
+        load_corpus_part("novels")
+    with pytest.raises(LmpressError, match="empty corpus spec"):
+        corpus_parts(" + ")
+
+
+def test_sampling_is_seeded_disjoint_and_shares_parts(real_tokenizer, tmp_path):
+    a = sample_windows("austen-calib+pydoc-calib", real_tokenizer, 9, 64, seed=3)
+    b = sample_windows("austen-calib+pydoc-calib", real_tokenizer, 9, 64, seed=3)
+    c = sample_windows("austen-calib+pydoc-calib", real_tokenizer, 9, 64, seed=4)
+    assert torch.equal(a.input_ids, b.input_ids) and a.sample_ids == b.sample_ids
+    assert a.sample_ids != c.sample_ids
+    assert a.input_ids.shape == (9, 64)
+    assert sum(i.startswith("austen-calib:") for i in a.sample_ids) == 5
+    assert sum(i.startswith("pydoc-calib:") for i in a.sample_ids) == 4
+    assert len(set(a.sample_ids)) == 9  # distinct windows; offsets are multiples of 64 so they never overlap
+    assert all(int(i.rsplit(":", 1)[1]) % 64 == 0 for i in a.sample_ids)
+
+
+def test_too_little_text_says_how_much_there_is(real_tokenizer, tmp_path):
+    (tmp_path / "short.txt").write_text("A few words only.")
+    with pytest.raises(LmpressError, match="fewer than the 4 needed; use fewer samples"):
+        sample_windows(str(tmp_path / "short.txt"), real_tokenizer, 4, 512, seed=0)
+
+
+def test_leading_windows_are_a_fixed_slice(real_tokenizer):
+    part = tokenize_part("austen-heldout", real_tokenizer)
+    windows = leading_windows(part, 3, 128)
+    assert torch.equal(windows.flatten(), part.tokens[: 3 * 128])

@@ -1,0 +1,79 @@
+import json
+
+import pytest
+import torch
+
+from calibrate.runner import LayerRunner
+from conftest import FAMILIES, tiny_config, tiny_model
+from pipelines.errors import LmpressError
+from pipelines.models import ARCHITECTURES, architecture_of, decoder_layers, kv_cache_bytes_per_token, layer_linears, resolve_model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_architecture_finds_layers_and_projections(family):
+    model = tiny_model(family)
+    layers = decoder_layers(model)
+    assert len(layers) == model.config.num_hidden_layers
+    linears = layer_linears(model, layers[0])
+    assert set(linears) == set(architecture_of(model.config).linears)
+    assert linears["self_attn.k_proj"].out_features == 2 * 16
+    assert linears["mlp.down_proj"].in_features == 96
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_runner_reproduces_the_models_own_hidden_states(family):
+    """Layer by layer, with each layer's own mask and rotary tables (sliding windows shorter than
+    the sequence), the runner's outputs equal the full model's hidden states."""
+    model = tiny_model(family)
+    input_ids = torch.randint(0, 320, (5, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model.base_model(input_ids=input_ids, output_hidden_states=True).hidden_states
+    runner = LayerRunner(model, input_ids, batch_size=2)
+    last = len(runner) - 1
+    for index, layer in runner:
+        runner.forward(layer)
+        got = torch.cat(runner.hidden)
+        if index == last:  # the model's last entry is after the final norm
+            got = model.base_model.norm(got)
+        torch.testing.assert_close(got, expected[index + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_runner_propagates_the_changed_layer():
+    """A stage that changes a layer's weights feeds the next layer the changed outputs."""
+    model = tiny_model("llama")
+    input_ids = torch.randint(0, 320, (3, 16))
+    runner = LayerRunner(model, input_ids, batch_size=3)
+    for index, layer in runner:
+        if index == 0:
+            runner.forward(layer, propagate=False)
+            layer.mlp.down_proj.weight.data.zero_()  # this layer now adds nothing from its MLP
+    with torch.no_grad():
+        expected = model.base_model(input_ids=input_ids).last_hidden_state
+    torch.testing.assert_close(model.base_model.norm(torch.cat(runner.hidden)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    from transformers import GPT2Config
+
+    with pytest.raises(LmpressError, match="'gpt2' is not supported; lmpress supports llama, mistral"):
+        architecture_of(GPT2Config())
+    assert set(FAMILIES) == set(ARCHITECTURES)
+
+
+def test_kv_cache_bytes_per_token():
+    config = tiny_config("llama")
+    assert kv_cache_bytes_per_token(config) == 2 * 4 * 2 * 16 * 2
+
+
+def test_hub_id_offline_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(LmpressError, match="offline"):
+        resolve_model("someorg/somemodel")
+
+
+def test_real_model_is_converted_once_as_plain_safetensors(real_model_folder):
+    config = json.loads((real_model_folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["num_hidden_layers"] == 30 and config["num_key_value_heads"] == 3
+    assert [p.suffix for p in real_model_folder.glob("model*")] == [".safetensors"]
+    assert resolve_model("smollm2-135m") == real_model_folder
