@@ -107,6 +107,7 @@ def metrics_table(metrics: dict) -> Table:
 
 def main() -> None:
     """Entry point: user errors and interrupts become one line on stderr, never a traceback."""
+    interrupted = 130  # typer turns Ctrl-C into this exit code
     try:
         code = app(standalone_mode=False)
     except LmpressError as error:
@@ -116,8 +117,9 @@ def main() -> None:
         error.show()
         sys.exit(error.exit_code)
     except (click.Abort, KeyboardInterrupt):
+        code = interrupted
+    if code == interrupted:
         sys.stderr.write("interrupted: no partial artifact was left; run the command again to restart\n")
-        sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
 
 
