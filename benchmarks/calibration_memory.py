@@ -5,8 +5,12 @@
 A sampler thread reads this process's RSS every 0.1 s and, from the stats files in the
 stage's temporary folder, how many layers are done; so the figures come from the very stage
 function the CLI and DVC run. Peak memory should be the model plus two copies of the samples'
-hidden states (inputs and outputs of the current layer) plus the current layer's working set,
-flat across layers; it must not grow with the number of layers processed.
+hidden states (inputs and outputs of the current layer) plus the current layer's working set.
+
+RSS is split into file-backed pages (the safetensors weights, which transformers memory-maps:
+each layer's weights page in when the runner first touches it, so this part climbs to the
+model's size by the last layer) and anonymous memory (activations, statistics, everything the
+stage allocates), which must stay flat across layers.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def main() -> None:
     process = psutil.Process()
     work = Path(tempfile.mkdtemp())
     out = work / "calibration"
-    samples: list[tuple[float, int, int]] = []  # (seconds, rss bytes, layers done)
+    samples: list[tuple[int, int, int]] = []  # (anonymous bytes, file-backed bytes, layers done)
     done = threading.Event()
     start = time.perf_counter()
 
@@ -50,7 +54,8 @@ def main() -> None:
         while not done.is_set():
             partial = next(iter(work.glob(".calibration.partial-*/stats")), None)
             layers = len(list(partial.glob("*.safetensors"))) if partial else 0
-            samples.append((time.perf_counter() - start, process.memory_info().rss, layers))
+            memory = process.memory_info()
+            samples.append((memory.rss - memory.shared, memory.shared, layers))
             time.sleep(0.1)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -67,11 +72,12 @@ def main() -> None:
 
     model_config = AutoConfig.from_pretrained(resolve_model(args.model))
     layers = model_config.num_hidden_layers
-    by_layer = {}
-    for _, rss, layer in samples:
+    by_layer: dict[int, tuple[int, int]] = {}  # layers done -> peak (anonymous, file-backed)
+    for anonymous, file_backed, layer in samples:
         if 1 <= layer < layers:
-            by_layer[layer] = max(by_layer.get(layer, 0), rss)
-    first, last = by_layer[min(by_layer)], by_layer[max(by_layer)]
+            previous = by_layer.get(layer, (0, 0))
+            by_layer[layer] = (max(previous[0], anonymous), max(previous[1], file_backed))
+    first, last = min(by_layer), max(by_layer)
     model_bytes = sum(f.stat().st_size for f in resolve_model(args.model).glob("*.safetensors"))
     hidden_bytes = args.samples * args.seq_len * model_config.hidden_size * 4
     stats_bytes = sum(f.stat().st_size for f in (out / "stats").glob("*.safetensors"))
@@ -85,13 +91,15 @@ def main() -> None:
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         "model_weights_mb": round(model_bytes / 2**20),
         "hidden_states_mb_per_copy": round(hidden_bytes / 2**20),
-        "rss_mb_after_layer": {layer: round(rss / 2**20) for layer, rss in sorted(by_layer.items())},
-        "rss_growth_mb_per_layer": round((last - first) / 2**20 / max(1, max(by_layer) - min(by_layer)), 2),
+        "anonymous_mb_after_layer": {layer: round(a / 2**20) for layer, (a, _) in sorted(by_layer.items())},
+        "file_backed_mb_after_layer": {layer: round(f / 2**20) for layer, (_, f) in sorted(by_layer.items())},
+        "anonymous_growth_mb_per_layer": round((by_layer[last][0] - by_layer[first][0]) / 2**20 / max(1, last - first), 2),
+        "file_backed_growth_mb_per_layer": round((by_layer[last][1] - by_layer[first][1]) / 2**20 / max(1, last - first), 2),
         "stats_mb_on_disk": round(stats_bytes / 2**20),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    summary = {k: v for k, v in result.items() if k != "rss_mb_after_layer"}
+    summary = {k: v for k, v in result.items() if not k.endswith("_after_layer")}
     print(json.dumps(summary, indent=2))
 
 

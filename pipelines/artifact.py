@@ -32,8 +32,13 @@ _PACKAGES = ("calibrate", "compressors", "pipelines")
 
 
 def write_json(path: Path, data) -> None:
-    """Stable JSON (sorted keys), so equal content gives equal bytes."""
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    """Stable JSON (sorted keys, so equal content gives equal bytes), written to a temporary
+    sibling and renamed into place, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def read_json(path: Path, what: str) -> dict:

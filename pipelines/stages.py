@@ -4,7 +4,6 @@ lineage manifest."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -108,13 +107,6 @@ class EvaluateConfig:
         return [name.strip() for name in self.corpora.split(",") if name.strip()]
 
 
-def _write_metrics(out: Path, metrics: dict) -> None:
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(tmp, metrics)
-    os.replace(tmp, out)
-
-
 def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConfig, base: str | None = None) -> dict:
     """Perplexity, KL to the base and top-1 agreement on held-out text, plus size metrics.
 
@@ -169,7 +161,7 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
             "tokens": scores.tokens,
         }
     if out is not None:
-        _write_metrics(Path(out), metrics)
+        write_json(Path(out), metrics)
     return metrics
 
 
