@@ -69,6 +69,36 @@ def evaluate(
 
 
 @app.command()
+def quantize(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the quantized model; replaced only when complete."),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (needed by gptq)."),
+    method: str = typer.Option("gptq", help="rtn (round to nearest, the baseline) or gptq (Hessian-based error compensation)."),
+    bits: int = typer.Option(4, help="Bits per weight: 2, 3, 4 or 8."),
+    group_size: int = typer.Option(64, "--group-size", help="Input columns sharing one scale: 32, 64, 128, or -1 for per-channel."),
+    symmetric: bool = typer.Option(True, "--symmetric/--asymmetric", help="Symmetric grid (zero point 0)."),
+    act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
+    damp: float = typer.Option(0.01, help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean."),
+    sequential: bool = typer.Option(
+        True, "--sequential/--no-sequential",
+        help="GPTQ: re-collect each layer's Hessian on the already-quantized model (slower, better) instead of using the stored statistics.",
+    ),
+    skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'layers\\.0\\.,down_proj'."),
+    overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to {bits, group_size, symmetric} (per-layer plan)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Calibration windows per forward pass."),
+):
+    """Quantize the decoder's linears and write a compressed-tensors (pack-quantized) model that stock transformers loads."""
+    from pipelines.stages import QuantizeConfig, quantize as run
+
+    config = QuantizeConfig(
+        method=method, bits=bits, group_size=group_size, symmetric=symmetric, act_order=act_order, damp=damp,
+        sequential=sequential, skip=skip, overrides=overrides, batch_size=batch_size,
+    )
+    path = run(model, calibration, out, config)
+    out_console.print(f"quantized model written to {path}", markup=False, highlight=False)
+
+
+@app.command()
 def info(path: str = typer.Argument(..., help="An lmpress artifact (model or calibration) or any model spec.")):
     """Print an artifact's lineage chain and its metrics."""
     from pipelines.artifact import read_lineage

@@ -115,7 +115,8 @@ def size_metrics(model, folder: Path) -> dict:
             linear_weights += module.in_features * module.out_features
     require(linear_weights > 0 and linear_bytes > 0, f"no decoder linear weights found in {folder}'s safetensors")
     return {
-        "parameters": sum(p.numel() for p in model.parameters()),
+        # weights and biases only: a decompressed model still carries its scales as parameters
+        "parameters": sum(p.numel() for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] in ("weight", "bias")),
         "weights_bytes": sum(file.stat().st_size for file in folder.glob("*.safetensors")),
         "bits_per_weight": round(8 * linear_bytes / linear_weights, 4),
         "kv_cache_bytes_per_token_fp16": kv_cache_bytes_per_token(model.config),

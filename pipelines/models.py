@@ -249,10 +249,16 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     from transformers.utils import logging as hf_logging
 
     folder = resolve_model(spec)
-    load_config(folder)
+    config = load_config(folder)
     check_weight_files(folder)
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and hasattr(quantizer, "compressor"):
+        # compressed-tensors: decompress now, exactly as stock transformers does on the first
+        # forward (its `dequantize=True` load path instead rounds weights to the scales' fp16).
+        # Kernels that run the packed form are swapped in by the serving loader instead.
+        quantizer.compressor.decompress_model(model)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     return LoadedModel(spec=spec, folder=folder, model=model, tokenizer=tokenizer)

@@ -24,7 +24,7 @@ from pipelines.artifact import (
 )
 from pipelines.errors import require
 from pipelines.evaluation import LMHead, score_windows, size_metrics
-from pipelines.models import layer_linears, load_model
+from pipelines.models import architecture_of, decoder_layers, layer_linears, load_model
 from pipelines.progress import progress_bar
 
 
@@ -177,3 +177,127 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
         base_record = model_chain(base.spec, base.folder, base.config)[0]
         manifest = {"format": REFERENCE_FORMAT, "base": base_record, "windows": config.windows, "seq_len": config.seq_len}
         write_json(tmp / "manifest.json", {**manifest, "corpora": corpora})
+
+
+# --------------------------------------------------------------------------- quantize
+
+QUANTIZE_METHODS = ("rtn", "gptq")
+
+
+@dataclass
+class QuantizeConfig:
+    method: str = "gptq"
+    bits: int = 4
+    group_size: int = 64
+    symmetric: bool = True
+    act_order: bool = True
+    damp: float = 0.01
+    sequential: bool = True
+    skip: str = ""  # comma-separated regexes of linear names left dense
+    overrides: str = ""  # YAML file: {regex of linear names: {bits, group_size, symmetric}}
+    batch_size: int = 8
+
+    def validate(self) -> None:
+        require(self.method in QUANTIZE_METHODS, f"unknown method '{self.method}'; use one of {', '.join(QUANTIZE_METHODS)}")
+        require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+        require_positive(batch_size=self.batch_size)
+        self.default_grid()
+
+    def default_grid(self):
+        from compressors.grid import GridSpec
+
+        return GridSpec(self.bits, self.group_size, self.symmetric)
+
+
+def quantization_plan(model, config: QuantizeConfig) -> dict[str, "GridSpec"]:
+    """Full linear name -> grid: the default, then overrides (first matching regex wins),
+    minus skipped linears; every grid checked against its linear's input width."""
+    import re
+
+    import yaml
+
+    from compressors.grid import GridSpec
+    overrides = {}
+    if config.overrides:
+        path = Path(config.overrides)
+        require(path.is_file(), f"overrides file {path} does not exist; pass a YAML file of {{regex: {{bits: 3}}}}")
+        overrides = yaml.safe_load(path.read_text()) or {}
+        require(isinstance(overrides, dict), f"{path} must map linear-name regexes to settings")
+    skips = [pattern.strip() for pattern in config.skip.split(",") if pattern.strip()]
+    prefix = architecture_of(model.config).layers
+    plan = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        for local, module in layer_linears(model, layer).items():
+            name = f"{prefix}.{index}.{local}"
+            if any(re.search(pattern, name) for pattern in skips):
+                continue
+            settings = next((value for pattern, value in overrides.items() if re.fullmatch(pattern, name)), {})
+            require(
+                isinstance(settings, dict) and set(settings) <= {"bits", "group_size", "symmetric"},
+                f"override for '{name}' must set only bits, group_size, symmetric",
+            )
+            grid = GridSpec(
+                settings.get("bits", config.bits), settings.get("group_size", config.group_size),
+                settings.get("symmetric", config.symmetric),
+            )
+            grid.check_width(module.in_features, name)
+            plan[name] = grid
+    return plan
+
+
+def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeConfig) -> Path:
+    """Quantize every decoder linear (RTN, or GPTQ with Hessians from the calibration samples,
+    walking the model layer by layer so each layer sees the already-quantized inputs) and write
+    a compressed-tensors artifact."""
+    from calibrate.stats import CalibrationData
+    from compressors.gptq import gptq_quantize
+    from compressors.grid import round_to_nearest
+    from compressors.packed_int import save_pack_quantized
+
+    config.validate()
+    require_directory_target(out)
+    require(calibration is not None or config.method == "rtn", f"method {config.method} needs --calibration (run `lmpress calibrate`)")
+    run = StageRun()
+    loaded = load_model(model)
+    chain = model_chain(model, loaded.folder, loaded.config)
+    calib = CalibrationData(calibration) if calibration is not None else None
+    if calib is not None:
+        calib.check_model(chain[0]["weights_sha256"])
+    plan = quantization_plan(loaded.model, config)
+    prefix = architecture_of(loaded.config).layers
+    quantized = {}
+
+    def quantize_layer(index, layer, hessians):
+        for local, module in layer_linears(loaded.model, layer).items():
+            name = f"{prefix}.{index}.{local}"
+            if name not in plan:
+                continue
+            if config.method == "rtn":
+                q = round_to_nearest(module.weight.data, plan[name])
+            else:
+                q = gptq_quantize(module.weight.data, hessians[local], plan[name], config.damp, config.act_order)
+            module.weight.data = q.dequantized().to(module.weight.dtype)  # later layers see it
+            quantized[name] = q
+
+    with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
+        if config.method == "gptq" and config.sequential:
+            runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=lambda _: advance())
+            for index, layer in runner:
+                linears = layer_linears(loaded.model, layer)
+                with LayerStatisticsCollector(linears, loaded.config) as collector:
+                    runner.forward(layer, propagate=False)
+                moments = collector.tensors()
+                hessians = {local: moments[f"{collector.group[local]}.second_moment"] for local in linears}
+                quantize_layer(index, layer, hessians)
+        else:  # RTN, or GPTQ on the stored statistics of the unquantized model (no forward passes)
+            for index, layer in enumerate(decoder_layers(loaded.model)):
+                hessians = {k: v.second_moment for k, v in calib.layer(index).items()} if config.method == "gptq" else {}
+                quantize_layer(index, layer, hessians)
+                advance()
+        save_pack_quantized(loaded.model, quantized, tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        record = {"stage": "quantize", "params": asdict(config)}
+        if calib is not None:
+            record["calibration"] = {key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents")}
+        write_lineage(tmp, chain, record, run)
+    return Path(out)

@@ -1,0 +1,108 @@
+"""The uniform integer grid that RTN, GPTQ and AWQ quantize onto.
+
+Conventions are compressed-tensors' (so the packed artifact needs no conversion): signed codes
+q in [-2^(b-1), 2^(b-1) - 1], w = (q - zero) * scale, one (scale, zero) per output row and
+group of `group_size` consecutive input columns (`group_size=-1`: one group per row, i.e.
+per-channel). Symmetric grids have zero = 0 and scale = max|w| / (2^b - 1) * 2. Scales are
+rounded to fp16, the dtype they are stored in, before any code is computed, so the codes an
+algorithm picks are exactly the codes the artifact holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipelines.errors import require
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    bits: int = 4
+    group_size: int = 64  # -1: per output channel
+    symmetric: bool = True
+
+    def __post_init__(self):
+        require(self.bits in SUPPORTED_BITS, f"bits must be one of {', '.join(map(str, SUPPORTED_BITS))} (got {self.bits})")
+        require(
+            self.group_size in SUPPORTED_GROUP_SIZES,
+            f"group size must be one of 32, 64, 128 or -1 for per-channel (got {self.group_size})",
+        )
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    def group_width(self, columns: int) -> int:
+        return columns if self.group_size == -1 else self.group_size
+
+    def check_width(self, columns: int, name: str) -> None:
+        require(
+            self.group_size == -1 or columns % self.group_size == 0,
+            f"group size {self.group_size} does not divide the input width {columns} of {name}; use a group size "
+            f"that divides it ({', '.join(str(g) for g in (32, 64, 128) if columns % g == 0) or 'none'}) or -1 (per-channel)",
+        )
+
+
+def fit_grid(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max scale and zero for each row of `w` (one group): shapes [rows, 1]."""
+    w = w.float()
+    low = w.min(dim=1, keepdim=True).values.clamp(max=0)
+    high = w.max(dim=1, keepdim=True).values.clamp(min=0)
+    if spec.symmetric:
+        scale = torch.maximum(low.abs(), high) / ((spec.qmax - spec.qmin) / 2)
+        scale = _fp16_scale(scale)
+        zero = torch.zeros_like(scale)
+    else:
+        scale = _fp16_scale((high - low) / (spec.qmax - spec.qmin))
+        zero = (spec.qmin - torch.round(low / scale)).clamp(spec.qmin, spec.qmax)
+    return scale, zero
+
+
+def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    # an all-zero group still needs a finite, positive scale
+    return scale.clamp(min=1e-8).half().float().clamp(min=torch.finfo(torch.float16).tiny)
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: GridSpec) -> torch.Tensor:
+    """Integer codes (as float) of `w` on the grid; scale/zero broadcast against `w`."""
+    return torch.clamp(torch.round(w / scale) + zero, spec.qmin, spec.qmax)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(q - zero) * scale in fp32: exact (a code of at most 8 bits times an fp16 scale fits
+    fp32's mantissa), and what compressed-tensors' decompression gives an fp32 model."""
+    return (q - zero) * scale
+
+
+@dataclass
+class QuantizedLinear:
+    """A linear's weight on the grid: codes [out, in], scale and zero [out, groups]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    spec: GridSpec
+
+    def dequantized(self) -> torch.Tensor:
+        width = self.spec.group_width(self.codes.shape[1])
+        expand = lambda t: t.repeat_interleave(width, dim=1)  # noqa: E731
+        return dequantize(self.codes.float(), expand(self.scale), expand(self.zero))
+
+
+def round_to_nearest(weight: torch.Tensor, spec: GridSpec) -> QuantizedLinear:
+    """RTN: each group's min-max grid, each weight rounded independently (the baseline)."""
+    rows, columns = weight.shape
+    width = spec.group_width(columns)
+    groups = weight.float().reshape(rows * (columns // width), width)
+    scale, zero = fit_grid(groups, spec)
+    codes = quantize(groups, scale, zero, spec).reshape(rows, columns)
+    return QuantizedLinear(codes.to(torch.int8), scale.reshape(rows, -1), zero.reshape(rows, -1), spec)

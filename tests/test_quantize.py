@@ -1,0 +1,118 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from compressors.gptq import gptq_quantize
+from compressors.grid import GridSpec, round_to_nearest
+from compressors.packed_int import unpack_int32
+from conftest import leftovers, run_cli
+from pipelines.errors import LmpressError
+
+
+def _problem(seed=0, rows=48, columns=128):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1024, columns, generator=g) @ torch.randn(columns, columns, generator=g) * 0.1
+    return torch.randn(rows, columns, generator=g) * 0.05, x.T @ x / x.shape[0]
+
+
+@pytest.mark.parametrize("spec", [GridSpec(2, 32), GridSpec(3, 64), GridSpec(4, 64), GridSpec(4, -1), GridSpec(8, 128), GridSpec(3, 32, False)])
+def test_codes_scales_and_dequantization(spec):
+    w, _ = _problem()
+    q = round_to_nearest(w, spec)
+    assert q.codes.dtype == torch.int8 and spec.qmin <= q.codes.min() and q.codes.max() <= spec.qmax
+    assert torch.equal(q.scale, q.scale.half().float())  # stored as fp16 without loss
+    groups = 1 if spec.group_size == -1 else 128 // spec.group_size
+    assert q.scale.shape == (48, groups)
+    error = (q.dequantized() - w).abs().max()
+    assert error <= q.scale.max() * (1 if spec.symmetric else 0.51)  # within a step of the grid
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("spec", [GridSpec(3, 32), GridSpec(4, 64), GridSpec(4, -1), GridSpec(3, 64, False)])
+def test_gptq_halves_the_hessian_weighted_error_of_rtn(spec, act_order):
+    w, h = _problem()
+    loss = lambda q: torch.trace((w - q.dequantized()) @ h @ (w - q.dequantized()).T).item()  # noqa: E731
+    assert loss(gptq_quantize(w, h, spec, act_order=act_order)) < 0.6 * loss(round_to_nearest(w, spec))
+
+
+def test_gptq_keeps_dead_inputs_at_zero_and_is_deterministic():
+    w, h = _problem()
+    h[5, :] = h[:, 5] = 0
+    a, b = gptq_quantize(w, h, GridSpec(4, 64)), gptq_quantize(w, h, GridSpec(4, 64))
+    assert torch.equal(a.codes, b.codes) and (a.codes[:, 5] == 0).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("columns", [64, 96, 100])
+def test_unpack_reads_compressed_tensors_packing(bits, columns):
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (7, columns), dtype=torch.int8)
+    assert torch.equal(unpack_int32(pack_to_int32(codes, bits), bits, columns), codes)
+
+
+def test_bad_grid_settings():
+    with pytest.raises(LmpressError, match="bits must be one of 2, 3, 4, 8"):
+        GridSpec(5, 64)
+    with pytest.raises(LmpressError, match="group size must be one of"):
+        GridSpec(4, 48)
+    with pytest.raises(LmpressError, match="group size 128 does not divide the input width 576 of x; use a group size that divides it \\(32, 64\\)"):
+        GridSpec(4, 128).check_width(576, "x")
+
+
+def test_rtn_artifact_loads_in_stock_transformers_and_round_trips(tmp_path, tiny_folder):
+    """The packed artifact opens with plain AutoModelForCausalLM (compressed-tensors' own
+    decompression) and gives the logits of the in-memory quantized model; the packed codes
+    are exactly the codes RTN chose."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "q"
+    result = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--bits", "3", "--group-size", "32", "--out", out)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
+    spec, codes = GridSpec(3, 32), {}
+    for name, module in reference.named_modules():
+        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+            q = round_to_nearest(module.weight.data, spec)
+            module.weight.data, codes[name] = q.dequantized(), q.codes
+    stock = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 49152, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(stock(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+
+    tensors = load_file(out / "model.safetensors")
+    for name, expected in codes.items():
+        assert torch.equal(unpack_int32(tensors[f"{name}.weight_packed"], 3, expected.shape[1]), expected), name
+    lineage = json.loads((out / "lineage.json").read_text())
+    assert [r["stage"] for r in lineage["chain"]] == ["base", "quantize"]
+
+
+def test_quantize_bad_input(tmp_path, tiny_folder):
+    out = tmp_path / "q"
+
+    def error(*args):
+        result = run_cli("quantize", "--model", tiny_folder, "--out", out, *args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert not out.exists() and leftovers(out) == []
+        return result.stderr.strip()
+
+    assert "bits must be one of 2, 3, 4, 8 (got 5)" in error("--method", "rtn", "--bits", "5")
+    assert "group size 64 does not divide the input width 96 of model.layers.0.mlp.down_proj" in error("--method", "rtn", "--group-size", "64")
+    assert "unknown method 'awq2'" in error("--method", "awq2")
+    assert "needs --calibration" in error("--method", "gptq")
+    assert "cannot be written as compressed-tensors" in error("--method", "rtn", "--group-size", "32", "--asymmetric")
+
+
+def test_calibration_from_another_model_is_refused(tmp_path, tiny_folder):
+    calibration = tmp_path / "cal"
+    result = run_cli("calibrate", "--model", "smollm2-135m", "--out", calibration, "--samples", "2", "--seq-len", "16")
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "q"
+    result = run_cli("quantize", "--model", tiny_folder, "--calibration", calibration, "--group-size", "32", "--out", out)
+    assert result.returncode == 2 and "was made for another base model" in result.stderr
+    assert not out.exists()
