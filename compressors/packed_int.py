@@ -45,7 +45,7 @@ def save_pack_quantized(model: nn.Module, quantized: dict[str, QuantizedLinear],
     require(bool(quantized), "nothing to quantize: every linear was skipped")
     require(
         all(q.spec.symmetric for q in quantized.values()),
-        "asymmetric grids cannot be written as compressed-tensors that transformers reloads; use --symmetric",
+        "asymmetric grids cannot be written as compressed-tensors that transformers reloads; use --symmetric true",
     )
     by_spec: dict[GridSpec, list[str]] = {}
     for name, q in quantized.items():

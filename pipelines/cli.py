@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +23,18 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 out_console = Console()
+
+
+class Switch(str, Enum):
+    """An on/off setting written `--name true|false`, as DVC renders a boolean param."""
+
+    true = "true"
+    false = "false"
+
+    def __bool__(self) -> bool:
+        return self is Switch.true
+
+
 MODEL_HELP = "Model: a local Hugging Face folder, a hub id (org/name, when online) or the built-in 'smollm2-135m'."
 
 
@@ -76,11 +89,11 @@ def quantize(
     method: str = typer.Option("gptq", help="rtn (round to nearest, the baseline) or gptq (Hessian-based error compensation)."),
     bits: int = typer.Option(4, help="Bits per weight: 2, 3, 4 or 8."),
     group_size: int = typer.Option(64, "--group-size", help="Input columns sharing one scale: 32, 64, 128, or -1 for per-channel."),
-    symmetric: bool = typer.Option(True, "--symmetric/--asymmetric", help="Symmetric grid (zero point 0)."),
-    act_order: bool = typer.Option(True, "--act-order/--no-act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
+    symmetric: Switch = typer.Option(Switch.true, help="Symmetric grid (zero point 0)."),
+    act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
     damp: float = typer.Option(0.01, help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean."),
-    sequential: bool = typer.Option(
-        True, "--sequential/--no-sequential",
+    sequential: Switch = typer.Option(
+        Switch.true,
         help="GPTQ: re-collect each layer's Hessian on the already-quantized model (slower, better) instead of using the stored statistics.",
     ),
     skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'layers\\.0\\.,down_proj'."),
@@ -91,8 +104,8 @@ def quantize(
     from pipelines.stages import QuantizeConfig, quantize as run
 
     config = QuantizeConfig(
-        method=method, bits=bits, group_size=group_size, symmetric=symmetric, act_order=act_order, damp=damp,
-        sequential=sequential, skip=skip, overrides=overrides, batch_size=batch_size,
+        method=method, bits=bits, group_size=group_size, symmetric=bool(symmetric), act_order=bool(act_order), damp=damp,
+        sequential=bool(sequential), skip=skip, overrides=overrides, batch_size=batch_size,
     )
     path = run(model, calibration, out, config)
     out_console.print(f"quantized model written to {path}", markup=False, highlight=False)

@@ -21,11 +21,12 @@ def dvc(*args, cwd):
 def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     for name in ("dvc.yaml", ".dvcignore"):
         shutil.copy(ROOT / name, tmp_path / name)
-    for package in ("calibrate", "pipelines"):
+    for package in ("calibrate", "compressors", "pipelines"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["calibrate"].update(samples=2, seq_len=32, batch_size=2)
     params["evaluate"].update(windows=1, seq_len=64)
+    params["quantize"].update(batch_size=2)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     dvc("init", "-q", cwd=tmp_path)
@@ -33,8 +34,10 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     dvc("repro", cwd=tmp_path)
     assert (tmp_path / "artifacts/calibration/stats/layer_029.safetensors").is_file()
     assert (tmp_path / "artifacts/reference/lm_head.safetensors").is_file()
+    assert (tmp_path / "artifacts/quantized/lineage.json").is_file()
     again = dvc("repro", cwd=tmp_path)
-    assert "Stage 'calibrate' didn't change, skipping" in again
-    assert "Stage 'evaluate_base' didn't change, skipping" in again
+    for stage in ("calibrate", "evaluate_base", "quantize", "evaluate_quantized"):
+        assert f"Stage '{stage}' didn't change, skipping" in again
     shown = dvc("metrics", "show", cwd=tmp_path)
-    assert "austen-heldout.perplexity" in shown and "pydoc-heldout.perplexity" in shown
+    assert "metrics/base.json" in shown and "metrics/quantized.json" in shown
+    assert "austen-heldout.kl_to_base" in shown and "pydoc-heldout.perplexity" in shown
