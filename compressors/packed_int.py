@@ -15,6 +15,7 @@ asymmetric zero point does not load back (its packed shape is rejected as a size
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,3 +81,123 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     if spill.any():
         value[:, spill] |= words[:, word[spill] + 1] << (32 - offset[spill])
     return ((value & ((1 << bits) - 1)) - (1 << (bits - 1))).to(torch.int8)
+
+
+# --------------------------------------------------------------------------- kernels
+#
+# Triton kernels read the packed layout directly: code k of row n sits in word k // (32 / b)
+# at bit (k % (32 / b)) * b, for b in KERNEL_BITS (32 % b == 0, so no code straddles two
+# words; 3-bit weights are served by the torch reference). Scales are looked up per element
+# (group k // group_size), so any group size, per-channel included, and any K work, with no
+# alignment between blocks and groups required.
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+KERNEL_BITS = (2, 4, 8)
+
+
+@triton.jit
+def _dequantized_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn, group_size, BITS: tl.constexpr):
+    """Weights [BLOCK_N, BLOCK_K] (fp32) of rows rn and columns rk, zero outside the matrix."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    words = tl.load(packed_ptr + rn[:, None] * stride_pn + rk[None, :] // PER_WORD, mask=mask, other=0)
+    codes = ((words >> ((rk[None, :] % PER_WORD) * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
+    scale = tl.load(scale_ptr + rn[:, None] * stride_sn + rk[None, :] // group_size, mask=mask, other=0.0)
+    return codes.to(tl.float32) * scale.to(tl.float32)
+
+
+@triton.jit
+def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_on, group_size,
+                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    w = _dequantized_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn, group_size, BITS)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn, group_size,
+                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Batch 1 (decode): y[n] = sum_k x[k] w[n, k]; bound by reading the packed weights once."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        w = _dequantized_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn, group_size, BITS)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_ym, group_size,
+                 BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Batches > 1: y[M, N] = x[M, K] @ w[N, K]^T, dequantizing each weight tile once per M block."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        w = _dequantized_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn, group_size, BITS)
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """One linear's packed weight as stored: codes packed along K, fp16 scales [N, groups]."""
+
+    packed: torch.Tensor  # int32 [N, ceil(K * bits / 32)]
+    scale: torch.Tensor  # [N, groups]
+    bits: int
+    columns: int  # K
+
+    @property
+    def group_size(self) -> int:
+        return self.columns // self.scale.shape[1]
+
+    @property
+    def rows(self) -> int:
+        return self.packed.shape[0]
+
+
+def dequantize_reference(weight: PackedWeight) -> torch.Tensor:
+    """Torch reference: fp32 weights [N, K]."""
+    codes = unpack_int32(weight.packed.cpu(), weight.bits, weight.columns).to(weight.packed.device)
+    return codes.float() * weight.scale.float().repeat_interleave(weight.group_size, dim=1)
+
+
+def matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    return (x.float() @ dequantize_reference(weight).T).to(x.dtype)
+
+
+def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    out = torch.empty(weight.rows, weight.columns, dtype=dtype, device=weight.packed.device)
+    grid = (triton.cdiv(weight.rows, block_n), triton.cdiv(weight.columns, block_k))
+    _dequantize_kernel[grid](
+        weight.packed, weight.scale, out, weight.rows, weight.columns, weight.packed.stride(0), weight.scale.stride(0),
+        out.stride(0), weight.group_size, BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return out
+
+
+def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """x [M, K] @ dequantized(weight)^T, fused; the GEMV kernel serves M == 1."""
+    x = x.contiguous()
+    M, K = x.shape
+    y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)
+    common = dict(group_size=weight.group_size, BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k)
+    if M == 1:
+        _gemv_kernel[(triton.cdiv(weight.rows, block_n),)](
+            x, weight.packed, weight.scale, y, weight.rows, K, weight.packed.stride(0), weight.scale.stride(0), **common
+        )
+    else:
+        _gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(weight.rows, block_n))](
+            x, weight.packed, weight.scale, y, M, weight.rows, K, x.stride(0), weight.packed.stride(0), weight.scale.stride(0),
+            y.stride(0), BLOCK_M=block_m, **common,
+        )
+    return y

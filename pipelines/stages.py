@@ -253,6 +253,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from compressors.gptq import gptq_quantize
     from compressors.grid import round_to_nearest
     from compressors.packed_int import save_pack_quantized
+    from pipelines.serving import bundle_kernels, validate
 
     config.validate()
     require_directory_target(out)
@@ -296,6 +297,8 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
                 advance()
         save_pack_quantized(loaded.model, quantized, tmp)
         loaded.tokenizer.save_pretrained(tmp)
+        bundle_kernels(tmp)
+        validate(tmp)
         record = {"stage": "quantize", "params": asdict(config)}
         if calib is not None:
             record["calibration"] = {key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents")}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
 os.environ.setdefault("LMPRESS_QUIET", "1")
 torch.set_num_threads(1)
 

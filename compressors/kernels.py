@@ -1,0 +1,106 @@
+"""Kernel registry and the linear layer that serves packed weights.
+
+Each entry declares which packed weights it can run and carries its torch reference; before
+its first use on a device it passes a self-check against that reference (GPTQModel keeps
+kernel selection honest the same way), so a broken kernel is never selected silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from compressors import packed_int
+from compressors.packed_int import KERNEL_BITS, PackedWeight
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    format: str
+    supports: Callable[[PackedWeight], bool]
+    run: Callable[[torch.Tensor, PackedWeight], torch.Tensor]
+    reference: Callable[[torch.Tensor, PackedWeight], torch.Tensor]
+    source: Path
+
+    def source_sha256(self) -> str:
+        return hashlib.sha256(self.source.read_bytes()).hexdigest()
+
+
+KERNELS = [
+    Kernel(
+        name="triton-packed-int-matmul",
+        format=packed_int.FORMAT,
+        supports=lambda weight: weight.bits in KERNEL_BITS,
+        run=packed_int.matmul_triton,
+        reference=packed_int.matmul_reference,
+        source=Path(packed_int.__file__),
+    ),
+]
+
+_self_checked: dict[tuple[str, str], bool] = {}
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Triton compiles for CUDA; elsewhere only its interpreter runs it (slowly, for tests)."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def self_check(kernel: Kernel, device: torch.device) -> bool:
+    key = (kernel.name, str(device))
+    if key not in _self_checked:
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+        generator = torch.Generator().manual_seed(0)
+        codes = torch.randint(-8, 8, (48, 80), generator=generator, dtype=torch.int8)
+        weight = PackedWeight(pack_to_int32(codes, 4).to(device), (torch.rand(48, 2, generator=generator) / 50).half().to(device), 4, 80)
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        ok = True
+        for rows in (1, 5):
+            x = torch.randn(rows, 80, generator=generator).to(device, dtype)
+            expected = kernel.reference(x, weight).float()
+            ok &= bool(torch.allclose(kernel.run(x, weight).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item()))
+        _self_checked[key] = ok
+    return _self_checked[key]
+
+
+def select_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
+    if not triton_runs_on(device):
+        return None
+    return next((k for k in KERNELS if k.supports(weight) and self_check(k, device)), None)
+
+
+class PackedLinear(nn.Module):
+    """A linear whose weight stays packed: Triton kernel on CUDA, torch reference elsewhere
+    (where the dequantized weight is cached: the CPU has no use for the packed form)."""
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.columns, weight.rows
+        self.bits = weight.bits
+        self.register_buffer("packed", weight.packed)
+        self.register_buffer("scale", weight.scale)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def weight_packed(self) -> PackedWeight:
+        return PackedWeight(self.packed, self.scale, self.bits, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        kernel = select_kernel(self.weight_packed, flat.device) if flat.device.type == "cuda" else None
+        if kernel is not None:
+            out = kernel.run(flat, self.weight_packed)
+        else:
+            if self._dense is None:
+                self._dense = packed_int.dequantize_reference(self.weight_packed)
+            out = flat.float() @ self._dense.T
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias

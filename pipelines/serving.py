@@ -1,0 +1,147 @@
+"""Serve packed artifacts with their kernels, validate the kernels on the artifact's own
+tensors, and generate text."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from pipelines.artifact import read_json, write_json
+from pipelines.errors import require
+from pipelines.models import LoadedModel, load_model, weight_files
+
+VALIDATION_FILE = "validation.json"
+BATCHES = (1, 16, 64)
+
+
+def _bits_for(name: str, quantization_config: dict) -> int:
+    for group in quantization_config["config_groups"].values():
+        for target in group["targets"]:
+            if target in (name, "Linear") or (target.startswith("re:") and re.fullmatch(target[3:], name)):
+                return group["weights"]["num_bits"]
+    raise AssertionError(f"{name} is packed but no config group targets it")
+
+
+def packed_weights(folder: Path) -> dict:
+    """Module name -> PackedWeight, read straight from a pack-quantized artifact's files."""
+    from safetensors import safe_open
+
+    from compressors.packed_int import FORMAT, PackedWeight
+
+    config = read_json(Path(folder) / "config.json", "pass a model folder").get("quantization_config") or {}
+    require(
+        config.get("quant_method") == "compressed-tensors" and config.get("format") == FORMAT,
+        f"{folder} is not a {FORMAT} compressed-tensors artifact; quantize it with `lmpress quantize`",
+    )
+    weights = {}
+    for file in weight_files(Path(folder)):
+        with safe_open(file, framework="pt") as handle:
+            keys = set(handle.keys())
+            for key in sorted(k for k in keys if k.endswith(".weight_packed")):
+                name = key.removesuffix(".weight_packed")
+                require(f"{name}.weight_zero_point" not in keys, f"{name} has zero points; lmpress serves symmetric weights only")
+                weights[name] = PackedWeight(
+                    handle.get_tensor(key), handle.get_tensor(f"{name}.weight_scale").half(), _bits_for(name, config),
+                    int(handle.get_tensor(f"{name}.weight_shape")[1]),
+                )
+    return weights
+
+
+def load_for_serving(spec: str, device: str = "cpu") -> LoadedModel:
+    """The model with every packed linear swapped for a kernel-backed PackedLinear."""
+    from compressors.kernels import PackedLinear
+
+    loaded = load_model(spec)
+    for name, weight in packed_weights(loaded.folder).items():
+        parent, child = name.rsplit(".", 1)
+        module = loaded.model.get_submodule(parent)
+        setattr(module, child, PackedLinear(weight, getattr(module, child).bias))
+    loaded.model.to(device)
+    return loaded
+
+
+def _timed(fn, repeats: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def validate(folder: Path, out: Path | None = None) -> dict:
+    """Run each kernel on the artifact's own tensors against its torch reference at batch 1,
+    16 and 64. On a GPU every packed linear is checked and timed against the dense fp16 layer;
+    without one the kernels run in Triton's interpreter on one linear of each distinct shape
+    (the interpreter executes every program in Python), and no speed is claimed."""
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported
+    from compressors.kernels import KERNELS, self_check
+
+    folder = Path(folder)
+    device = torch.device("cuda" if gpu else "cpu")
+    dtype = torch.float16 if gpu else torch.float32
+    weights = packed_weights(folder)
+    if not gpu:
+        representatives = {}
+        for name, weight in weights.items():
+            representatives.setdefault((weight.rows, weight.columns, weight.bits, weight.group_size), name)
+        weights = {name: weights[name] for name in representatives.values()}
+    generator = torch.Generator().manual_seed(0)
+    layers, used = {}, set()
+    for name, weight in weights.items():
+        kernel = next((k for k in KERNELS if k.supports(weight)), None)
+        if kernel is None:
+            layers[name] = {"kernel": None, "note": f"{weight.bits}-bit weights are served by the torch reference"}
+            continue
+        require(self_check(kernel, device), f"kernel {kernel.name} failed its self-check on {device}; do not serve with it")
+        used.add(kernel)
+        weight = type(weight)(weight.packed.to(device), weight.scale.to(device), weight.bits, weight.columns)
+        entry = {"kernel": kernel.name, "shape": [weight.rows, weight.columns], "bits": weight.bits, "max_abs_error": {}, "max_rel_error": {}}
+        dense = kernel.reference(torch.eye(weight.columns, device=device, dtype=dtype), weight).T.contiguous() if gpu else None
+        for batch in BATCHES:
+            x = torch.randn(batch, weight.columns, generator=generator).to(device, dtype)
+            got, expected = kernel.run(x, weight).float(), kernel.reference(x, weight).float()
+            error = (got - expected).abs().max().item()
+            entry["max_abs_error"][str(batch)] = error
+            entry["max_rel_error"][str(batch)] = error / max(expected.abs().max().item(), 1e-12)
+            if gpu:
+                entry.setdefault("speedup_vs_fp16", {})[str(batch)] = _timed(lambda: x @ dense.T) / _timed(lambda: kernel.run(x, weight))
+        layers[name] = entry
+    checked = [entry for entry in layers.values() if entry.get("kernel")]
+    report = {
+        "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
+        "gpu_validated": gpu,
+        "checked": f"all {len(layers)} packed linears" if gpu else f"{len(layers)} linears, one per distinct shape/bits/group",
+        "kernels": {k.name: {"source": f"kernels/{k.source.name}", "sha256": k.source_sha256()} for k in sorted(used, key=lambda k: k.name)},
+        "max_rel_error": max((max(e["max_rel_error"].values()) for e in checked), default=None),
+        "layers": layers,
+    }
+    target = Path(out) if out is not None else folder / VALIDATION_FILE
+    write_json(target, report)
+    return report
+
+
+def bundle_kernels(folder: Path) -> None:
+    """Copy the kernel sources an artifact needs into it, next to its validation report."""
+    from compressors.kernels import KERNELS
+
+    (Path(folder) / "kernels").mkdir(exist_ok=True)
+    for kernel in KERNELS:
+        shutil.copy(kernel.source, Path(folder) / "kernels" / kernel.source.name)
+
+
+@torch.no_grad()
+def generate(spec: str, prompt: str, max_new_tokens: int = 40) -> str:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = load_for_serving(spec, device)
+    inputs = loaded.tokenizer(prompt, return_tensors="pt").to(device)
+    output = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return loaded.tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -1,0 +1,90 @@
+"""Every kernel against its torch reference, in Triton's interpreter, on odd shapes too."""
+
+import json
+import hashlib
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+from compressors.kernels import KERNELS, PackedLinear, select_kernel, self_check
+from compressors.packed_int import PackedWeight, dequantize_reference, dequantize_triton, matmul_reference, matmul_triton
+from conftest import run_cli
+
+
+def packed(bits, rows, columns, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (rows, columns), generator=g, dtype=torch.int8)
+    scale = (torch.rand(rows, columns // group, generator=g) * 0.02 + 0.001).half()
+    return PackedWeight(pack_to_int32(codes, bits), scale, bits, columns)
+
+
+SHAPES = [  # bits, N, K, group: K off the 64-column block, per-channel, a single output row
+    (4, 96, 160, 32), (4, 1, 128, 64), (8, 40, 100, 100), (2, 64, 96, 32), (4, 130, 64, 64),
+]
+
+
+@pytest.mark.parametrize("bits,rows,columns,group", SHAPES)
+@pytest.mark.parametrize("batch", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_matmul_matches_reference(bits, rows, columns, group, batch, dtype):
+    weight = packed(bits, rows, columns, group)
+    x = torch.randn(batch, columns, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got, expected = matmul_triton(x, weight).float(), matmul_reference(x, weight).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    assert (got - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.parametrize("bits,rows,columns,group", SHAPES)
+def test_dequantize_kernel_is_exact(bits, rows, columns, group):
+    weight = packed(bits, rows, columns, group)
+    assert torch.equal(dequantize_triton(weight, torch.float32), dequantize_reference(weight))
+
+
+def test_self_check_and_selection():
+    kernel = KERNELS[0]
+    assert self_check(kernel, torch.device("cpu"))
+    assert select_kernel(packed(4, 8, 64, 64), torch.device("cpu")) is kernel
+    assert select_kernel(PackedWeight(torch.zeros(8, 6, dtype=torch.int32), torch.ones(8, 2).half(), 3, 64), torch.device("cpu")) is None
+
+
+def test_packed_linear_equals_the_dense_layer():
+    weight = packed(4, 48, 128, 64)
+    bias = torch.randn(48)
+    layer = PackedLinear(weight, bias)
+    x = torch.randn(2, 5, 128)
+    expected = torch.nn.functional.linear(x, dequantize_reference(weight), bias)
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder):
+    """The quantize stage bundles the kernel source and a CPU validation report; served with
+    PackedLinear layers the model gives the logits of its decompressed dense form."""
+    from pipelines.models import load_model
+    from pipelines.serving import load_for_serving
+
+    out = tmp_path / "q"
+    result = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--bits", "4", "--group-size", "32", "--out", out)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "validation.json").read_text())
+    assert report["gpu_validated"] is False and report["device"] == "cpu (Triton interpreter)"
+    assert report["max_rel_error"] < 1e-5
+    source = report["kernels"]["triton-packed-int-matmul"]
+    assert hashlib.sha256((out / source["source"]).read_bytes()).hexdigest() == source["sha256"]
+
+    served, dense = load_for_serving(str(out)), load_model(str(out))
+    assert isinstance(served.model.model.layers[0].mlp.down_proj, PackedLinear)
+    ids = torch.randint(0, 49152, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(served.model(ids).logits, dense.model(ids).logits, rtol=1e-4, atol=1e-4)
+
+    again = run_cli("validate", out, "--out", tmp_path / "v.json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "v.json").read_text())["layers"].keys() == report["layers"].keys()
+    text = run_cli("generate", out, "Hello", "--max-new-tokens", "3")
+    assert text.returncode == 0, text.stderr
+
+
+def test_validate_refuses_a_dense_model(tiny_folder):
+    result = run_cli("validate", tiny_folder)
+    assert result.returncode == 2 and "is not a pack-quantized compressed-tensors artifact" in result.stderr
