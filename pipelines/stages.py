@@ -209,20 +209,25 @@ class QuantizeConfig:
         return GridSpec(self.bits, self.group_size, self.symmetric)
 
 
-def quantization_plan(model, config: QuantizeConfig) -> dict[str, "GridSpec"]:
+def load_overrides(path: str) -> dict:
+    """The per-layer plan file: {regex of full linear names: {bits, group_size, symmetric}}."""
+    import yaml
+
+    if not path:
+        return {}
+    require(Path(path).is_file(), f"overrides file {path} does not exist; pass a YAML file of {{regex: {{bits: 3}}}}")
+    overrides = yaml.safe_load(Path(path).read_text()) or {}
+    require(isinstance(overrides, dict), f"{path} must map linear-name regexes to settings")
+    return overrides
+
+
+def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[str, "GridSpec"]:
     """Full linear name -> grid: the default, then overrides (first matching regex wins),
     minus skipped linears; every grid checked against its linear's input width."""
     import re
 
-    import yaml
-
     from compressors.grid import GridSpec
-    overrides = {}
-    if config.overrides:
-        path = Path(config.overrides)
-        require(path.is_file(), f"overrides file {path} does not exist; pass a YAML file of {{regex: {{bits: 3}}}}")
-        overrides = yaml.safe_load(path.read_text()) or {}
-        require(isinstance(overrides, dict), f"{path} must map linear-name regexes to settings")
+
     skips = [pattern.strip() for pattern in config.skip.split(",") if pattern.strip()]
     prefix = architecture_of(model.config).layers
     plan = {}
@@ -264,7 +269,8 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     calib = CalibrationData(calibration) if calibration is not None else None
     if calib is not None:
         calib.check_model(chain[0]["weights_sha256"])
-    plan = quantization_plan(loaded.model, config)
+    overrides = load_overrides(config.overrides)
+    plan = quantization_plan(loaded.model, config, overrides)
     prefix = architecture_of(loaded.config).layers
     quantized = {}
 
@@ -299,8 +305,9 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         loaded.tokenizer.save_pretrained(tmp)
         bundle_kernels(tmp)
         validate(tmp)
-        record = {"stage": "quantize", "params": asdict(config)}
+        record = {"stage": "quantize", "params": asdict(config), "overrides": overrides}
         if calib is not None:
+            record["seed"] = calib.manifest["seed"]
             record["calibration"] = {key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents")}
         write_lineage(tmp, chain, record, run)
     return Path(out)

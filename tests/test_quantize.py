@@ -116,3 +116,28 @@ def test_calibration_from_another_model_is_refused(tmp_path, tiny_folder):
     result = run_cli("quantize", "--model", tiny_folder, "--calibration", calibration, "--group-size", "32", "--out", out)
     assert result.returncode == 2 and "was made for another base model" in result.stderr
     assert not out.exists()
+
+
+def test_per_layer_overrides_and_skips_reach_the_artifact(tmp_path, tiny_folder):
+    """A plan (as the search stage will hand in) gives mixed grids in one compressed-tensors
+    config; skipped linears stay dense; the plan is recorded in the lineage."""
+    from transformers import AutoModelForCausalLM
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("'model\\.layers\\.0\\..*': {bits: 8}\n'.*down_proj': {bits: 2, group_size: 32}\n")
+    out = tmp_path / "q"
+    result = run_cli(
+        "quantize", "--model", tiny_folder, "--method", "rtn", "--group-size", "32", "--overrides", plan,
+        "--skip", "layers\\.3\\.mlp", "--out", out,
+    )
+    assert result.returncode == 0, result.stderr
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    bits_of = {target: group["weights"]["num_bits"] for group in groups.values() for target in group["targets"]}
+    assert bits_of["model.layers.0.mlp.down_proj"] == 8  # first matching pattern wins
+    assert bits_of["model.layers.1.mlp.down_proj"] == 2 and bits_of["model.layers.1.self_attn.q_proj"] == 4
+    assert not any(name.startswith("model.layers.3.mlp") for name in bits_of)
+    tensors = load_file(out / "model.safetensors")
+    assert "model.layers.3.mlp.up_proj.weight" in tensors and "model.layers.3.mlp.up_proj.weight_packed" not in tensors
+    AutoModelForCausalLM.from_pretrained(out)  # stock transformers opens the mixed artifact
+    record = json.loads((out / "lineage.json").read_text())["chain"][-1]
+    assert record["overrides"] == {"model\\.layers\\.0\\..*": {"bits": 8}, ".*down_proj": {"bits": 2, "group_size": 32}}
