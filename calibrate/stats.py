@@ -2,7 +2,7 @@
 
 For every linear input the collector keeps the second moment E[x x^T] (the Hessian GPTQ and
 SparseGPT need, up to a factor), the mean (with the diagonal: Wanda's input norms and FLAP's
-fluctuation), and the token count. Linears that read the same tensor (q/k/v, gate/up) share
+fluctuation), the mean magnitude E|x| (AWQ's activation scale), and the token count. Linears that read the same tensor (q/k/v, gate/up) share
 one entry: the grouping is found by identity of the input tensor, so no per-family table is
 needed. For KV-head merging it also keeps, per layer, the token-averaged cosine similarity
 between every pair of KV heads' key and value outputs (not derivable from the moments).
@@ -10,7 +10,7 @@ between every pair of KV heads' key and value outputs (not derivable from the mo
 The calibration artifact:
     manifest.json                 settings, sample ids, data hash, linear -> group map
     samples.safetensors           input_ids [samples, seq_len]
-    stats/layer_NNN.safetensors   `<group>.second_moment`, `<group>.mean`, `kv.k_cosine`, ...
+    stats/layer_NNN.safetensors   `<group>.second_moment`, `.mean`, `.abs_mean`, `kv.k_cosine`, ...
     lineage.json
 """
 
@@ -34,12 +34,14 @@ class _Moments:
         self.count = 0
         self.xtx = torch.zeros(features, features, dtype=torch.float64)
         self.sum = torch.zeros(features, dtype=torch.float64)
+        self.abs_sum = torch.zeros(features, dtype=torch.float64)
 
     def add(self, x: torch.Tensor) -> None:
         # fp32 matmul per batch (fast), fp64 running sum (exact enough over 10^5 tokens)
         x = x.reshape(-1, x.shape[-1]).float()
         self.xtx += (x.T @ x).cpu().double()
         self.sum += x.sum(0).cpu().double()
+        self.abs_sum += x.abs().sum(0).cpu().double()
         self.count += x.shape[0]
 
 
@@ -99,6 +101,7 @@ class LayerStatisticsCollector:
         for name, m in self.moments.items():
             out[f"{name}.second_moment"] = (m.xtx / m.count).float().contiguous()
             out[f"{name}.mean"] = (m.sum / m.count).float().contiguous()
+            out[f"{name}.abs_mean"] = (m.abs_sum / m.count).float().contiguous()
         for kind, s in self.similarity.items():
             out[f"kv.{kind}_cosine"] = (s.total / s.count).float().contiguous()
         return out
@@ -107,6 +110,14 @@ class LayerStatisticsCollector:
     def tokens(self) -> int:
         return next(iter(self.moments.values())).count
 
+    def statistics(self) -> dict[str, "LinearStatistics"]:
+        """linear path in the layer -> its input statistics (as CalibrationData.layer gives)."""
+        tensors = self.tensors()
+        return {
+            linear: LinearStatistics(tensors[f"{g}.second_moment"], tensors[f"{g}.mean"], tensors[f"{g}.abs_mean"], self.tokens)
+            for linear, g in self.group.items()
+        }
+
 
 @dataclass
 class LinearStatistics:
@@ -114,6 +125,7 @@ class LinearStatistics:
 
     second_moment: torch.Tensor  # E[x x^T], [in, in]
     mean: torch.Tensor  # E[x], [in]
+    abs_mean: torch.Tensor  # E|x|, [in] (AWQ's activation magnitude)
     tokens: int
 
     @property
@@ -162,8 +174,12 @@ class CalibrationData:
         except FileNotFoundError as error:
             raise LmpressError(f"{self.folder} has no statistics for layer {index}; re-run `lmpress calibrate`") from error
         tokens = self.manifest["tokens"]
+        require(
+            all(f"{group}.abs_mean" in tensors for group in self.manifest["groups"].values()),
+            f"{self.folder} predates the E|x| statistics; re-run `lmpress calibrate`",
+        )
         return {
-            linear: LinearStatistics(tensors[f"{group}.second_moment"], tensors[f"{group}.mean"], tokens)
+            linear: LinearStatistics(tensors[f"{group}.second_moment"], tensors[f"{group}.mean"], tensors[f"{group}.abs_mean"], tokens)
             for linear, group in self.manifest["groups"].items()
         }
 

@@ -52,11 +52,12 @@ class GridSpec:
         )
 
 
-def fit_grid(w: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min-max scale and zero for each row of `w` (one group): shapes [rows, 1]."""
+def fit_grid(w: torch.Tensor, spec: GridSpec, clip: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max scale and zero for each row of `w` (one group): shapes [rows, 1]. `clip` < 1
+    shrinks the range (clipping outliers to round the rest more finely)."""
     w = w.float()
-    low = w.min(dim=1, keepdim=True).values.clamp(max=0)
-    high = w.max(dim=1, keepdim=True).values.clamp(min=0)
+    low = w.min(dim=1, keepdim=True).values.clamp(max=0) * clip
+    high = w.max(dim=1, keepdim=True).values.clamp(min=0) * clip
     if spec.symmetric:
         scale = torch.maximum(low.abs(), high) / ((spec.qmax - spec.qmin) / 2)
         scale = _fp16_scale(scale)
@@ -98,11 +99,14 @@ class QuantizedLinear:
         return dequantize(self.codes.float(), expand(self.scale), expand(self.zero))
 
 
-def round_to_nearest(weight: torch.Tensor, spec: GridSpec) -> QuantizedLinear:
-    """RTN: each group's min-max grid, each weight rounded independently (the baseline)."""
+def round_to_nearest(weight: torch.Tensor, spec: GridSpec, clip: torch.Tensor | float = 1.0) -> QuantizedLinear:
+    """RTN: each group's min-max grid, each weight rounded independently (the baseline).
+    `clip`: a factor for all groups, or one per group [rows, groups]."""
     rows, columns = weight.shape
     width = spec.group_width(columns)
     groups = weight.float().reshape(rows * (columns // width), width)
-    scale, zero = fit_grid(groups, spec)
+    if isinstance(clip, torch.Tensor):
+        clip = clip.reshape(-1, 1)
+    scale, zero = fit_grid(groups, spec, clip)
     codes = quantize(groups, scale, zero, spec).reshape(rows, columns)
     return QuantizedLinear(codes.to(torch.int8), scale.reshape(rows, -1), zero.reshape(rows, -1), spec)

@@ -86,7 +86,7 @@ def quantize(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the quantized model; replaced only when complete."),
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
     calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (needed by gptq)."),
-    method: str = typer.Option("gptq", help="rtn (round to nearest, the baseline) or gptq (Hessian-based error compensation)."),
+    method: str = typer.Option("gptq", help="rtn (round to nearest, the baseline), gptq (Hessian-based error compensation) or awq (activation-aware scales and clipping)."),
     bits: int = typer.Option(4, help="Bits per weight: 2, 3, 4 or 8."),
     group_size: int = typer.Option(64, "--group-size", help="Input columns sharing one scale: 32, 64, 128, or -1 for per-channel."),
     symmetric: Switch = typer.Option(Switch.true, help="Symmetric grid (zero point 0)."),
@@ -94,7 +94,7 @@ def quantize(
     damp: float = typer.Option(0.01, help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean."),
     sequential: Switch = typer.Option(
         Switch.true,
-        help="GPTQ: re-collect each layer's Hessian on the already-quantized model (slower, better) instead of using the stored statistics.",
+        help="GPTQ/AWQ: re-collect each layer's statistics on the already-quantized model (slower, better) instead of using the stored ones.",
     ),
     skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'layers\\.0\\.,down_proj'."),
     overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to {bits, group_size, symmetric} (per-layer plan)."),

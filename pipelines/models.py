@@ -31,21 +31,30 @@ def cache_root() -> Path:
 
 @dataclass(frozen=True)
 class Architecture:
-    """Where a decoder-only family keeps its layers and projections (module paths)."""
+    """Where a decoder-only family keeps its layers and projections (module paths), and the
+    RMSNorms that feed the attention and MLP inputs (`norm_offset` 1: the norm multiplies by
+    1 + weight, as Gemma's do)."""
 
     layers: str = "model.layers"
     attention: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     mlp: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    attention_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    norm_offset: float = 0.0
 
     @property
     def linears(self) -> tuple[str, ...]:
         return self.attention + self.mlp
 
 
+_GEMMA = Architecture(mlp_norm="pre_feedforward_layernorm", norm_offset=1.0)
+
 # The families share module names; the table says which ones were checked (tests build a tiny
 # random model of each). Phi3 fuses qkv and gate/up into single linears and is not listed.
 ARCHITECTURES: dict[str, Architecture] = {
-    name: Architecture() for name in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+    **{name: Architecture() for name in ("llama", "mistral", "qwen2", "qwen3")},
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA,
 }
 
 

@@ -181,7 +181,7 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
 
 # --------------------------------------------------------------------------- quantize
 
-QUANTIZE_METHODS = ("rtn", "gptq")
+QUANTIZE_METHODS = ("rtn", "gptq", "awq")
 
 
 @dataclass
@@ -255,6 +255,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     walking the model layer by layer so each layer sees the already-quantized inputs) and write
     a compressed-tensors artifact."""
     from calibrate.stats import CalibrationData
+    from compressors.awq import awq_layer
     from compressors.gptq import gptq_quantize
     from compressors.grid import round_to_nearest
     from compressors.packed_int import save_pack_quantized
@@ -274,32 +275,34 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     prefix = architecture_of(loaded.config).layers
     quantized = {}
 
-    def quantize_layer(index, layer, hessians):
-        for local, module in layer_linears(loaded.model, layer).items():
-            name = f"{prefix}.{index}.{local}"
-            if name not in plan:
-                continue
-            if config.method == "rtn":
-                q = round_to_nearest(module.weight.data, plan[name])
-            else:
-                q = gptq_quantize(module.weight.data, hessians[local], plan[name], config.damp, config.act_order)
+    arch = architecture_of(loaded.config)
+
+    def quantize_layer(index, layer, stats):
+        layer_plan = {local: plan[f"{prefix}.{index}.{local}"] for local in arch.linears if f"{prefix}.{index}.{local}" in plan}
+        if config.method == "rtn":
+            results = {local: round_to_nearest(layer.get_submodule(local).weight.data, grid) for local, grid in layer_plan.items()}
+        elif config.method == "gptq":
+            results = {
+                local: gptq_quantize(layer.get_submodule(local).weight.data, stats[local].second_moment, grid, config.damp, config.act_order)
+                for local, grid in layer_plan.items()
+            }
+        else:
+            results = awq_layer(layer, arch, loaded.config, stats, layer_plan)
+        for local, q in results.items():
+            module = layer.get_submodule(local)
             module.weight.data = q.dequantized().to(module.weight.dtype)  # later layers see it
-            quantized[name] = q
+            quantized[f"{prefix}.{index}.{local}"] = q
 
     with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
-        if config.method == "gptq" and config.sequential:
+        if config.method != "rtn" and config.sequential:
             runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=lambda _: advance())
             for index, layer in runner:
-                linears = layer_linears(loaded.model, layer)
-                with LayerStatisticsCollector(linears, loaded.config) as collector:
+                with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
                     runner.forward(layer, propagate=False)
-                moments = collector.tensors()
-                hessians = {local: moments[f"{collector.group[local]}.second_moment"] for local in linears}
-                quantize_layer(index, layer, hessians)
-        else:  # RTN, or GPTQ on the stored statistics of the unquantized model (no forward passes)
+                quantize_layer(index, layer, collector.statistics())
+        else:  # RTN, or the stored statistics of the unquantized model (no forward passes)
             for index, layer in enumerate(decoder_layers(loaded.model)):
-                hessians = {k: v.second_moment for k, v in calib.layer(index).items()} if config.method == "gptq" else {}
-                quantize_layer(index, layer, hessians)
+                quantize_layer(index, layer, calib.layer(index) if config.method != "rtn" else {})
                 advance()
         save_pack_quantized(loaded.model, quantized, tmp)
         loaded.tokenizer.save_pretrained(tmp)
