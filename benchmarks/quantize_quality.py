@@ -29,7 +29,7 @@ os.environ.setdefault("LMPRESS_QUIET", "1")
 
 from pipelines.stages import EvaluateConfig, QuantizeConfig, evaluate, quantize  # noqa: E402
 
-DEFAULT_RUNS = "rtn:4:64,gptq:4:64,rtn:3:64,gptq:3:64,rtn:4:-1,gptq:4:-1"
+DEFAULT_RUNS = "rtn:4:64,gptq:4:64,awq:4:64,nf4,rtn:3:64,gptq:3:64,awq:3:64"
 CORPORA = ("austen-heldout", "pydoc-heldout")
 
 
@@ -38,7 +38,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
-    parser.add_argument("--runs", default=DEFAULT_RUNS, help="method:bits:group_size[:sequential], comma-separated")
+    parser.add_argument(
+        "--runs", default=DEFAULT_RUNS,
+        help="method[:bits:group_size[:stored]], comma-separated; ':stored' uses the stored statistics (no forward passes)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantize_quality")
     args = parser.parse_args()
 
@@ -46,8 +49,10 @@ def main() -> None:
     rows = [{"run": "base (fp32)", **_flatten(evaluate(args.model, args.reference, None, evaluation))}]
     work = Path(tempfile.mkdtemp())
     for spec in args.runs.split(","):
-        method, bits, group, *rest = spec.split(":")
-        config = QuantizeConfig(method=method, bits=int(bits), group_size=int(group), sequential=not rest or rest[0] != "stored")
+        method, *rest = spec.split(":")
+        config = QuantizeConfig(method=method, sequential="stored" not in rest)
+        if len(rest) >= 2:
+            config.bits, config.group_size = int(rest[0]), int(rest[1])
         start = time.perf_counter()
         artifact = quantize(args.model, args.calibration, work / spec.replace(":", "_"), config)
         seconds = time.perf_counter() - start

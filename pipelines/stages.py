@@ -181,7 +181,8 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
 
 # --------------------------------------------------------------------------- quantize
 
-QUANTIZE_METHODS = ("rtn", "gptq", "awq")
+QUANTIZE_METHODS = ("rtn", "gptq", "awq", "nf4", "int8")
+BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
 
 
 @dataclass
@@ -245,7 +246,8 @@ def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[st
                 settings.get("bits", config.bits), settings.get("group_size", config.group_size),
                 settings.get("symmetric", config.symmetric),
             )
-            grid.check_width(module.in_features, name)
+            if config.method not in BITSANDBYTES_METHODS:
+                grid.check_width(module.in_features, name)
             plan[name] = grid
     return plan
 
@@ -263,7 +265,8 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
 
     config.validate()
     require_directory_target(out)
-    require(calibration is not None or config.method == "rtn", f"method {config.method} needs --calibration (run `lmpress calibrate`)")
+    needs_calibration = config.method in ("gptq", "awq")
+    require(calibration is not None or not needs_calibration, f"method {config.method} needs --calibration (run `lmpress calibrate`)")
     run = StageRun()
     loaded = load_model(model)
     chain = model_chain(model, loaded.folder, loaded.config)
@@ -274,6 +277,12 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     plan = quantization_plan(loaded.model, config, overrides)
     prefix = architecture_of(loaded.config).layers
     quantized = {}
+    if config.method in BITSANDBYTES_METHODS:
+        require(not overrides, f"{config.method} (bitsandbytes) takes no per-layer overrides; use rtn, gptq or awq")
+        with atomic_directory(out) as tmp:
+            _quantize_bitsandbytes(loaded, plan, config.method, tmp)
+            write_lineage(tmp, chain, {"stage": "quantize", "params": asdict(config)}, run)
+        return Path(out)
 
     arch = architecture_of(loaded.config)
 
@@ -314,3 +323,18 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             record["calibration"] = {key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents")}
         write_lineage(tmp, chain, record, run)
     return Path(out)
+
+
+def _quantize_bitsandbytes(loaded, plan: dict, method: str, folder: Path) -> None:
+    """bitsandbytes quantizes at load: NF4 (blocks of 64 with absmax scales) or LLM.int8
+    (per-row absmax); the planned linears are quantized, every other linear kept dense."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    keep = [name for name, module in loaded.model.named_modules() if isinstance(module, torch.nn.Linear) and name not in plan]
+    if method == "nf4":
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=keep)
+    else:
+        bnb = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=keep)
+    model = AutoModelForCausalLM.from_pretrained(loaded.folder, quantization_config=bnb, dtype=torch.float32)
+    model.save_pretrained(folder)
+    loaded.tokenizer.save_pretrained(folder)

@@ -141,3 +141,22 @@ def test_per_layer_overrides_and_skips_reach_the_artifact(tmp_path, tiny_folder)
     AutoModelForCausalLM.from_pretrained(out)  # stock transformers opens the mixed artifact
     record = json.loads((out / "lineage.json").read_text())["chain"][-1]
     assert record["overrides"] == {"model\\.layers\\.0\\..*": {"bits": 8}, ".*down_proj": {"bits": 2, "group_size": 32}}
+
+
+@pytest.mark.parametrize("method", ["nf4", "int8"])
+def test_bitsandbytes_baselines_reload(tmp_path, tiny_folder, method):
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.models import load_model
+
+    out = tmp_path / method
+    # (down_proj is 96 wide here: bitsandbytes' CPU NF4 forward needs multiples of its block of 64)
+    result = run_cli("quantize", "--model", tiny_folder, "--method", method, "--skip", "layers\\.0\\.,down_proj", "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "bitsandbytes"
+    model = load_model(str(out)).model
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # skipped
+    assert type(model.model.layers[1].self_attn.q_proj).__name__ in ("Linear4bit", "Linear8bitLt")
+    with torch.no_grad():
+        model(torch.randint(0, 49152, (1, 8)))
+    AutoModelForCausalLM.from_pretrained(out)
