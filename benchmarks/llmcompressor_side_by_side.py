@@ -1,0 +1,110 @@
+"""lmpress vs llm-compressor, GPTQ on the same model, calibration tokens and held-out text.
+
+    .venv/bin/python benchmarks/llmcompressor_side_by_side.py [--calibration artifacts/calibration]
+        [--reference artifacts/reference] [--bits 4,3] [--group-size 64]
+
+llm-compressor is installed by this script into its own environment
+(benchmarks/.venv-llmcompressor, pinned CPU torch 2.13.0, as its transformers and
+compressed-tensors versions differ from lmpress's). Both tools quantize with 4/3-bit symmetric
+group-64 GPTQ, static act-order, damping 0.01, on the calibration artifact's very token
+samples; each run is its own process, timed, with its peak RSS. Both artifacts are then scored
+by `lmpress evaluate` against the same base reference. Results:
+benchmarks/results/llmcompressor_side_by_side.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / "benchmarks" / ".venv-llmcompressor"
+LLMCOMPRESSOR = "llmcompressor==0.14.0.1"
+CORPORA = ("austen-heldout", "pydoc-heldout")
+LMPRESS_RUN = """
+import json, resource, sys, time
+from pathlib import Path
+from pipelines.stages import QuantizeConfig, quantize
+start = time.perf_counter()
+quantize("smollm2-135m", Path(sys.argv[1]), Path(sys.argv[4]), QuantizeConfig(method="gptq", bits=int(sys.argv[2]), group_size=int(sys.argv[3])))
+print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
+"""
+
+
+def ensure_environment() -> Path:
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    probe = subprocess.run([str(python), "-c", "import llmcompressor"], capture_output=True)
+    if probe.returncode != 0:
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, "torch==2.13.0"], check=True)  # first, so nothing pulls a CUDA build
+        constraints = VENV / "constraints.txt"
+        constraints.write_text("torch==2.13.0\n")
+        subprocess.run([*pip, "-c", str(constraints), LLMCOMPRESSOR], check=True)
+    return python
+
+
+def run_json(command: list[str]) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LMPRESS_QUIET": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"{command[:3]} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calibration", type=Path, default=ROOT / "artifacts" / "calibration")
+    parser.add_argument("--reference", type=Path, default=ROOT / "artifacts" / "reference")
+    parser.add_argument("--bits", default="4,3")
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "llmcompressor_side_by_side")
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("LMPRESS_QUIET", "1")
+    from pipelines.models import resolve_model
+    from pipelines.stages import EvaluateConfig, evaluate
+
+    python = ensure_environment()
+    model_folder = resolve_model("smollm2-135m")
+    work = Path(tempfile.mkdtemp())
+    rows = []
+    for bits in (int(b) for b in args.bits.split(",")):
+        for tool in ("llm-compressor", "lmpress"):
+            out = work / f"{tool}-w{bits}g{args.group_size}"
+            if tool == "llm-compressor":
+                command = [str(python), str(ROOT / "benchmarks" / "llmcompressor_gptq.py"), str(model_folder),
+                           str(args.calibration / "samples.safetensors"), str(bits), str(args.group_size), str(out)]
+            else:
+                command = [sys.executable, "-c", LMPRESS_RUN, str(args.calibration), str(bits), str(args.group_size), str(out)]
+            cost = run_json(command)
+            metrics = evaluate(str(out), args.reference, None, EvaluateConfig())
+            row = {"tool": tool, "bits": bits, "group_size": args.group_size, **cost}
+            for corpus in CORPORA:
+                row.update({f"{corpus}.{k}": metrics[corpus][k] for k in ("perplexity", "kl_to_base", "top1_agreement")})
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    lines = ["| tool | scheme | " + " | ".join(f"{c} ppl | {c} KL" for c in CORPORA) + " | wall s | peak RSS MB |", "|" + "---|" * 8]
+    for row in rows:
+        cells = [row["tool"], f"W{row['bits']} g{row['group_size']}"]
+        for corpus in CORPORA:
+            cells += [f"{row[f'{corpus}.perplexity']:.2f}", f"{row[f'{corpus}.kl_to_base']:.4f}"]
+        cells += [str(row["wall_time_s"]), str(row["peak_rss_mb"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
