@@ -115,9 +115,30 @@ def size_metrics(model, folder: Path) -> dict:
             linear_weights += module.in_features * module.out_features
     require(linear_weights > 0 and linear_bytes > 0, f"no decoder linear weights found in {folder}'s safetensors")
     return {
-        # weights and biases only: a decompressed model still carries its scales as parameters
-        "parameters": sum(p.numel() for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] in ("weight", "bias")),
+        "parameters": logical_parameters(model),
         "weights_bytes": sum(file.stat().st_size for file in folder.glob("*.safetensors")),
         "bits_per_weight": round(8 * linear_bytes / linear_weights, 4),
         "kv_cache_bytes_per_token_fp16": kv_cache_bytes_per_token(model.config),
     }
+
+
+def logical_parameters(model) -> int:
+    """Weights and biases as the architecture defines them, whatever their storage: a linear
+    counts in x out even when packed (bitsandbytes keeps 4-bit weights as uint8 pairs), scales
+    and zero points count nothing, and a tied weight counts once."""
+    seen, total = set(), 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(getattr(module, "in_features", None), int) and isinstance(weight, torch.Tensor):
+            if id(weight) not in seen:
+                seen.add(id(weight))
+                total += module.in_features * module.out_features
+        else:
+            for name, parameter in module.named_parameters(recurse=False):
+                if name == "weight" and id(parameter) not in seen:
+                    seen.add(id(parameter))
+                    total += parameter.numel()
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            total += bias.numel()
+    return total

@@ -54,3 +54,13 @@ def test_size_metrics_count_stored_bytes_per_linear_weight(tmp_path):
     assert metrics["kv_cache_bytes_per_token_fp16"] == 2 * 4 * 2 * 16 * 2
     model.half().save_pretrained(tmp_path / "half")
     assert size_metrics(model, tmp_path / "half")["bits_per_weight"] == 16.0
+
+
+def test_logical_parameters_ignore_storage_and_ties():
+    from pipelines.evaluation import logical_parameters
+
+    model = tiny_model("llama")
+    assert logical_parameters(model) == sum(p.numel() for p in model.parameters())
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    assert logical_parameters(model) == sum(p.numel() for p in model.parameters())

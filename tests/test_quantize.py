@@ -154,7 +154,10 @@ def test_bitsandbytes_baselines_reload(tmp_path, tiny_folder, method):
     result = run_cli("quantize", "--model", tiny_folder, "--method", method, "--skip", "layers\\.0\\.,down_proj", "--out", out)
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "bitsandbytes"
+    from pipelines.evaluation import logical_parameters
+
     model = load_model(str(out)).model
+    assert logical_parameters(model) == logical_parameters(load_model(str(tiny_folder)).model)
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # skipped
     assert type(model.model.layers[1].self_attn.q_proj).__name__ in ("Linear4bit", "Linear8bitLt")
     with torch.no_grad():
