@@ -275,7 +275,8 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         calib.check_model(chain[0]["weights_sha256"])
     overrides = load_overrides(config.overrides)
     plan = quantization_plan(loaded.model, config, overrides)
-    prefix = architecture_of(loaded.config).layers
+    arch = architecture_of(loaded.config)
+    prefix = arch.layers
     quantized = {}
     if config.method in BITSANDBYTES_METHODS:
         require(not overrides, f"{config.method} (bitsandbytes) takes no per-layer overrides; use rtn, gptq or awq")
@@ -283,8 +284,6 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             _quantize_bitsandbytes(loaded, plan, config.method, tmp)
             write_lineage(tmp, chain, {"stage": "quantize", "params": asdict(config)}, run)
         return Path(out)
-
-    arch = architecture_of(loaded.config)
 
     def quantize_layer(index, layer, stats):
         layer_plan = {local: plan[f"{prefix}.{index}.{local}"] for local in arch.linears if f"{prefix}.{index}.{local}" in plan}
