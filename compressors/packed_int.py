@@ -91,6 +91,13 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
 # (group k // group_size), so any group size, per-channel included, and any K work, with no
 # alignment between blocks and groups required.
 
+import os  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Without a GPU Triton runs only in its interpreter, and it decides per kernel when the
+    # kernel is *defined* (below), so the choice is made here, not by whoever calls first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 

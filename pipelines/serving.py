@@ -3,7 +3,6 @@ tensors, and generate text."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import time
@@ -81,8 +80,6 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     without one the kernels run in Triton's interpreter on one linear of each distinct shape
     (the interpreter executes every program in Python), and no speed is claimed."""
     gpu = torch.cuda.is_available()
-    if not gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported
     from compressors.kernels import KERNELS, self_check
 
     folder = Path(folder)

@@ -74,10 +74,10 @@ def tiny_folder(tmp_path, real_model_folder) -> Path:
     return folder
 
 
-def run_cli(*args, cwd=None, timeout=600) -> subprocess.CompletedProcess:
+def run_cli(*args, cwd=None, timeout=600, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pipelines.cli", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, timeout=timeout, env={**os.environ, "LMPRESS_QUIET": "1"},
+        capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env or {**os.environ, "LMPRESS_QUIET": "1"},
     )
 
 
