@@ -86,7 +86,7 @@ def main() -> None:
             else:
                 command = [sys.executable, "-c", LMPRESS_RUN, str(args.calibration), str(bits), str(args.group_size), str(out)]
             cost = run_json(command)
-            metrics = evaluate(str(out), args.reference, None, EvaluateConfig())
+            metrics = evaluate(str(out), args.reference, None, EvaluateConfig(), base="smollm2-135m")
             row = {"tool": tool, "bits": bits, "group_size": args.group_size, **cost}
             for corpus in CORPORA:
                 row.update({f"{corpus}.{k}": metrics[corpus][k] for k in ("perplexity", "kl_to_base", "top1_agreement")})

@@ -71,7 +71,9 @@ def evaluate(
     windows: int = typer.Option(16, help="Non-overlapping windows per corpus (the first ones: a fixed slice)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
     batch_size: int = typer.Option(4, "--batch-size", help="Windows per forward pass."),
-    base: Optional[str] = typer.Option(None, help="Base model for a new reference (default: the model's lineage base)."),
+    base: Optional[str] = typer.Option(
+        None, help="The model's base: builds a missing reference, and names the base of a model made by another tool (default: the model's lineage base).",
+    ),
 ):
     """Perplexity, KL to the base and top-1 agreement on held-out text; parameters, size, bits/weight, KV bytes."""
     from pipelines.stages import EvaluateConfig, evaluate as run

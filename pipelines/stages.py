@@ -16,15 +16,17 @@ from calibrate.stats import CALIBRATION_FORMAT, LayerStatisticsCollector
 from pipelines.artifact import (
     StageRun,
     atomic_directory,
+    base_record,
     chain_hash,
     model_chain,
     read_json,
+    read_lineage,
     write_json,
     write_lineage,
 )
 from pipelines.errors import require
 from pipelines.evaluation import LMHead, score_windows, size_metrics
-from pipelines.models import architecture_of, decoder_layers, layer_linears, load_model
+from pipelines.models import architecture_of, decoder_layers, layer_linears, load_config, load_model, resolve_model
 from pipelines.progress import progress_bar
 
 
@@ -119,6 +121,10 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
     require(out is None or not Path(out).is_dir(), f"metrics path {out} is a directory; pass a .json file path")
     loaded = load_model(model)
     chain = model_chain(model, loaded.folder, loaded.config)
+    if base is not None and base != model and read_lineage(loaded.folder) is None:
+        # a model lmpress did not make (another tool's output): the user names its base
+        base_folder = resolve_model(base)
+        chain = [base_record(base, base_folder, load_config(base_folder)), {"stage": "external", **chain[0]}]
     calibration_documents = [doc for record in chain for doc in record.get("calibration", {}).get("documents", [])]
     windows = {}
     for corpus in config.corpus_list:

@@ -159,3 +159,27 @@ def test_evaluate_base_then_rescore_against_the_cached_reference(tmp_path):
     assert m1["parameters"] == 134_515_008 and m1["bits_per_weight"] == 32.0
     mismatch = run_cli(*args[:-2], "--seq-len", "64")
     assert_user_error(mismatch, "was built with windows=2, seq_len=128")
+
+
+def test_evaluate_a_model_made_elsewhere_against_the_base_reference(tmp_path):
+    """A model without lmpress lineage (another tool's output) is scored against the base
+    reference once the user names its base; without --base it is refused."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.models import resolve_model
+
+    base = resolve_model(REAL_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight.mul_(0.5)  # "another tool" changed it
+    model.save_pretrained(tmp_path / "other")
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "other")
+    args = ["--reference", tmp_path / "ref", "--windows", "1", "--seq-len", "64", "--corpora", "austen-heldout"]
+    assert run_cli("evaluate", REAL_MODEL, *args).returncode == 0
+    refused = run_cli("evaluate", tmp_path / "other", *args)
+    assert_user_error(refused, "was built from another base model")
+    scored = run_cli("evaluate", tmp_path / "other", *args, "--base", REAL_MODEL, "--out", tmp_path / "m.json")
+    assert scored.returncode == 0, scored.stderr
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["austen-heldout"]["kl_to_base"] > 1e-4 and metrics["austen-heldout"]["top1_agreement"] < 1.0
