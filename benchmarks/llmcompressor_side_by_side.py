@@ -7,7 +7,8 @@ llm-compressor is installed by this script into its own environment
 (benchmarks/.venv-llmcompressor, pinned CPU torch 2.13.0, as its transformers and
 compressed-tensors versions differ from lmpress's). Both tools quantize with 4/3-bit symmetric
 group-64 GPTQ, static act-order, damping 0.01, on the calibration artifact's very token
-samples; each run is its own process, timed, with its peak RSS. Both artifacts are then scored
+samples; each run is its own process, timed, with its peak RSS, under the same thread count
+and CPU affinity (run it as `OMP_NUM_THREADS=1 taskset -c 1 ...` to keep other work off its core). Both artifacts are then scored
 by `lmpress evaluate` against the same base reference. Results:
 benchmarks/results/llmcompressor_side_by_side.{json,md}.
 """
@@ -87,7 +88,8 @@ def main() -> None:
                 command = [sys.executable, "-c", LMPRESS_RUN, str(args.calibration), str(bits), str(args.group_size), str(out)]
             cost = run_json(command)
             metrics = evaluate(str(out), args.reference, None, EvaluateConfig(), base="smollm2-135m")
-            row = {"tool": tool, "bits": bits, "group_size": args.group_size, **cost}
+            row = {"tool": tool, "bits": bits, "group_size": args.group_size, **cost, "threads": os.environ.get("OMP_NUM_THREADS", "default"),
+                   "cpus": len(os.sched_getaffinity(0))}
             for corpus in CORPORA:
                 row.update({f"{corpus}.{k}": metrics[corpus][k] for k in ("perplexity", "kl_to_base", "top1_agreement")})
             rows.append(row)
@@ -102,6 +104,7 @@ def main() -> None:
             cells += [f"{row[f'{corpus}.perplexity']:.2f}", f"{row[f'{corpus}.kl_to_base']:.4f}"]
         cells += [str(row["wall_time_s"]), str(row["peak_rss_mb"])]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append(f"\nOMP_NUM_THREADS={rows[0]['threads']}, {rows[0]['cpus']} CPU(s) in the affinity mask, one run at a time.")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -35,8 +35,8 @@ class Kernel:
 
 KERNELS = [
     Kernel(
-        name="triton-packed-int-matmul",
-        format=packed_int.FORMAT,
+        name="triton-packed-matmul",
+        format="pack-quantized, lmpress-packed",
         supports=lambda weight: weight.bits in KERNEL_BITS,
         run=packed_int.matmul_triton,
         reference=packed_int.matmul_reference,
@@ -52,20 +52,33 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _self_check_weights(device: torch.device) -> list[PackedWeight]:
+    """Small weights of each decoding path: 4-bit symmetric, 3-bit asymmetric (codes straddle
+    words), 3-bit codebook."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    generator = torch.Generator().manual_seed(0)
+    codes = lambda bits: pack_to_int32(torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (48, 80), generator=generator, dtype=torch.int8), bits)  # noqa: E731
+    scale = lambda: (torch.rand(48, 2, generator=generator) / 50).half()  # noqa: E731
+    weights = [
+        PackedWeight(codes(4), scale(), 4, 80),
+        PackedWeight(codes(3), scale(), 3, 80, torch.randint(-2, 2, (48, 2), generator=generator, dtype=torch.int8)),
+        PackedWeight(codes(3), None, 3, 80, codebook=torch.randn(48, 8, generator=generator).half() / 50),
+    ]
+    return [weight.to(device) for weight in weights]
+
+
 def self_check(kernel: Kernel, device: torch.device) -> bool:
     key = (kernel.name, str(device))
     if key not in _self_checked:
-        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-        generator = torch.Generator().manual_seed(0)
-        codes = torch.randint(-8, 8, (48, 80), generator=generator, dtype=torch.int8)
-        weight = PackedWeight(pack_to_int32(codes, 4).to(device), (torch.rand(48, 2, generator=generator) / 50).half().to(device), 4, 80)
+        generator = torch.Generator().manual_seed(1)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         ok = True
-        for rows in (1, 5):
-            x = torch.randn(rows, 80, generator=generator).to(device, dtype)
-            expected = kernel.reference(x, weight).float()
-            ok &= bool(torch.allclose(kernel.run(x, weight).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item()))
+        for weight in _self_check_weights(device):
+            for rows in (1, 5):
+                x = torch.randn(rows, 80, generator=generator).to(device, dtype)
+                expected = kernel.reference(x, weight).float()
+                ok &= bool(torch.allclose(kernel.run(x, weight).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item()))
         _self_checked[key] = ok
     return _self_checked[key]
 
@@ -84,14 +97,14 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.columns, weight.rows
         self.bits = weight.bits
-        self.register_buffer("packed", weight.packed)
-        self.register_buffer("scale", weight.scale)
+        for name in ("packed", "scale", "zero", "codebook"):
+            self.register_buffer(name, getattr(weight, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._dense: torch.Tensor | None = None
 
     @property
     def weight_packed(self) -> PackedWeight:
-        return PackedWeight(self.packed, self.scale, self.bits, self.in_features)
+        return PackedWeight(self.packed, self.scale, self.bits, self.in_features, self.zero, self.codebook)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -9,8 +9,9 @@ quantized linear `<name>`:
 and `quantization_config` in config.json (quant_method "compressed-tensors", one config group
 per distinct grid, targeting modules by name, so per-layer mixed settings fit the format).
 
-Only symmetric grids are written: with transformers 5.23 and compressed-tensors 0.20, a packed
-asymmetric zero point does not load back (its packed shape is rejected as a size mismatch).
+Only symmetric grids are written here: with transformers 5.23 and compressed-tensors 0.20, a
+packed asymmetric zero point does not load back (its packed shape is rejected as a size
+mismatch), so asymmetric grids go to lmpress's own format (compressors/lmpress_format.py).
 """
 
 from __future__ import annotations
@@ -85,11 +86,12 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- kernels
 #
-# Triton kernels read the packed layout directly: code k of row n sits in word k // (32 / b)
-# at bit (k % (32 / b)) * b, for b in KERNEL_BITS (32 % b == 0, so no code straddles two
-# words; 3-bit weights are served by the torch reference). Scales are looked up per element
-# (group k // group_size), so any group size, per-channel included, and any K work, with no
-# alignment between blocks and groups required.
+# One set of Triton kernels serves every packed weight lmpress writes: b-bit codes packed
+# along K as above (code k of row n at bits [k*b, k*b + b) of the row's words; for b = 3 a
+# code may straddle two words), decoded either on a uniform grid, (code - zero) * scale with
+# scale/zero per (row, group k // group_size), or through a per-row codebook, codebook[n, code]
+# (SqueezeLLM, compressors/codebook.py). Scales are looked up per element, so any group size,
+# per-channel included, and any K work, with no alignment between blocks and groups required.
 
 import os  # noqa: E402
 
@@ -101,47 +103,63 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-KERNEL_BITS = (2, 4, 8)
+KERNEL_BITS = (2, 3, 4, 8)
 
 
 @triton.jit
-def _dequantized_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn, group_size, BITS: tl.constexpr):
+def _weight_tile(packed_ptr, table_ptr, zero_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, group_size,
+                 BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr):
     """Weights [BLOCK_N, BLOCK_K] (fp32) of rows rn and columns rk, zero outside the matrix."""
-    PER_WORD: tl.constexpr = 32 // BITS
     mask = (rn[:, None] < N) & (rk[None, :] < K)
-    words = tl.load(packed_ptr + rn[:, None] * stride_pn + rk[None, :] // PER_WORD, mask=mask, other=0)
-    codes = ((words >> ((rk[None, :] % PER_WORD) * BITS)) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
-    scale = tl.load(scale_ptr + rn[:, None] * stride_sn + rk[None, :] // group_size, mask=mask, other=0.0)
-    return codes.to(tl.float32) * scale.to(tl.float32)
+    position = rk[None, :] * BITS
+    offset = position % 32
+    row = packed_ptr + rn[:, None] * stride_pn + position // 32
+    word = tl.load(row, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    code = word >> offset
+    if 32 % BITS != 0:  # codes straddling two words take their high bits from the next one
+        spill = mask & (offset + BITS > 32)
+        high = tl.load(row + 1, mask=spill, other=0).to(tl.uint32, bitcast=True)
+        code = code | (high << ((32 - offset) % 32))
+    code = (code & ((1 << BITS) - 1)).to(tl.int32)
+    if CODEBOOK:
+        value = tl.load(table_ptr + rn[:, None] * stride_tn + code, mask=mask, other=0.0).to(tl.float32)
+    else:
+        group = rk[None, :] // group_size
+        q = (code - (1 << (BITS - 1))).to(tl.float32)
+        if HAS_ZERO:
+            q -= tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=mask, other=0).to(tl.float32)
+        value = q * tl.load(table_ptr + rn[:, None] * stride_tn + group, mask=mask, other=0.0).to(tl.float32)
+    return value
 
 
 @triton.jit
-def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, N, K, stride_pn, stride_sn, stride_on, group_size,
-                       BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantize_kernel(packed_ptr, table_ptr, zero_ptr, out_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_on, group_size,
+                       BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    w = _dequantized_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn, group_size, BITS)
+    w = _weight_tile(packed_ptr, table_ptr, zero_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, group_size, BITS, CODEBOOK, HAS_ZERO)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn, group_size,
-                 BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, group_size,
+                 BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Batch 1 (decode): y[n] = sum_k x[k] w[n, k]; bound by reading the packed weights once."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-        w = _dequantized_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn, group_size, BITS)
+        w = _weight_tile(packed_ptr, table_ptr, zero_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, group_size, BITS, CODEBOOK, HAS_ZERO)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_ym, group_size,
-                 BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_ym, group_size,
+                 BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Batches > 1: y[M, N] = x[M, K] @ w[N, K]^T, dequantizing each weight tile once per M block."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,33 +167,52 @@ def _gemm_kernel(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        w = _dequantized_tile(packed_ptr, scale_ptr, rn, rk, N, K, stride_pn, stride_sn, group_size, BITS)
+        w = _weight_tile(packed_ptr, table_ptr, zero_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, group_size, BITS, CODEBOOK, HAS_ZERO)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """One linear's packed weight as stored: codes packed along K, fp16 scales [N, groups]."""
+    """One linear's packed weight as stored: codes packed along K, decoded with fp16 scales
+    [N, groups] (and int zero points [N, groups] for asymmetric grids) or, for codebook
+    weights, a per-row fp16 codebook [N, 2^bits] (scale None)."""
 
     packed: torch.Tensor  # int32 [N, ceil(K * bits / 32)]
-    scale: torch.Tensor  # [N, groups]
+    scale: torch.Tensor | None  # [N, groups]
     bits: int
     columns: int  # K
+    zero: torch.Tensor | None = None  # [N, groups], in code units: w = (q - zero) * scale
+    codebook: torch.Tensor | None = None  # [N, 2^bits]
 
     @property
-    def group_size(self) -> int:
-        return self.columns // self.scale.shape[1]
+    def group_size(self) -> int | None:
+        return None if self.codebook is not None else self.columns // self.scale.shape[1]
 
     @property
     def rows(self) -> int:
         return self.packed.shape[0]
 
+    def to(self, device) -> "PackedWeight":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return PackedWeight(move(self.packed), move(self.scale), self.bits, self.columns, move(self.zero), move(self.codebook))
+
+    def _kernel_args(self) -> tuple:
+        table = self.codebook if self.codebook is not None else self.scale
+        zero = self.zero if self.zero is not None else table  # an unused pointer still needs a tensor
+        return (self.packed, table, zero), (self.packed.stride(0), table.stride(0), zero.stride(0)), dict(
+            group_size=self.group_size or 1, BITS=self.bits, CODEBOOK=self.codebook is not None, HAS_ZERO=self.zero is not None,
+        )
+
 
 def dequantize_reference(weight: PackedWeight) -> torch.Tensor:
     """Torch reference: fp32 weights [N, K]."""
-    codes = unpack_int32(weight.packed.cpu(), weight.bits, weight.columns).to(weight.packed.device)
-    return codes.float() * weight.scale.float().repeat_interleave(weight.group_size, dim=1)
+    codes = unpack_int32(weight.packed.cpu(), weight.bits, weight.columns).to(weight.packed.device).long()
+    if weight.codebook is not None:
+        return torch.gather(weight.codebook.float(), 1, codes + (1 << (weight.bits - 1)))
+    expand = lambda t: t.float().repeat_interleave(weight.group_size, dim=1)  # noqa: E731
+    zero = expand(weight.zero) if weight.zero is not None else 0.0
+    return (codes.float() - zero) * expand(weight.scale)
 
 
 def matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
@@ -184,11 +221,9 @@ def matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
 
 def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
     out = torch.empty(weight.rows, weight.columns, dtype=dtype, device=weight.packed.device)
+    tensors, strides, flags = weight._kernel_args()
     grid = (triton.cdiv(weight.rows, block_n), triton.cdiv(weight.columns, block_k))
-    _dequantize_kernel[grid](
-        weight.packed, weight.scale, out, weight.rows, weight.columns, weight.packed.stride(0), weight.scale.stride(0),
-        out.stride(0), weight.group_size, BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
+    _dequantize_kernel[grid](*tensors, out, weight.rows, weight.columns, *strides, out.stride(0), **flags, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
 
 
@@ -197,14 +232,14 @@ def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, bloc
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)
-    common = dict(group_size=weight.group_size, BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k)
+    tensors, strides, flags = weight._kernel_args()
     if M == 1:
         _gemv_kernel[(triton.cdiv(weight.rows, block_n),)](
-            x, weight.packed, weight.scale, y, weight.rows, K, weight.packed.stride(0), weight.scale.stride(0), **common
+            x, *tensors, y, weight.rows, K, *strides, **flags, BLOCK_N=block_n, BLOCK_K=block_k,
         )
     else:
         _gemm_kernel[(triton.cdiv(M, block_m), triton.cdiv(weight.rows, block_n))](
-            x, weight.packed, weight.scale, y, M, weight.rows, K, x.stride(0), weight.packed.stride(0), weight.scale.stride(0),
-            y.stride(0), BLOCK_M=block_m, **common,
+            x, *tensors, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0), **flags,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         )
     return y

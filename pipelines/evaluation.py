@@ -129,9 +129,10 @@ def logical_parameters(model) -> int:
     seen, total = set(), 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(getattr(module, "in_features", None), int) and isinstance(weight, torch.Tensor):
-            if id(weight) not in seen:
-                seen.add(id(weight))
+        if isinstance(getattr(module, "in_features", None), int) and (isinstance(weight, torch.Tensor) or hasattr(module, "weight_packed")):
+            key = id(weight) if isinstance(weight, torch.Tensor) else id(module)
+            if key not in seen:
+                seen.add(key)
                 total += module.in_features * module.out_features
         else:
             for name, parameter in module.named_parameters(recurse=False):

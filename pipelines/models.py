@@ -261,7 +261,12 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     config = load_config(folder)
     check_weight_files(folder)
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    if (getattr(config, "quantization_config", None) or {}).get("quant_method") == "lmpress":
+        from pipelines.serving import load_lmpress_packed
+
+        model = load_lmpress_packed(folder, config, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and hasattr(quantizer, "compressor"):
         # compressed-tensors: decompress now, exactly as stock transformers does on the first

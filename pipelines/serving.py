@@ -3,6 +3,7 @@ tensors, and generate text."""
 
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 import time
@@ -27,28 +28,66 @@ def _bits_for(name: str, quantization_config: dict) -> int:
 
 
 def packed_weights(folder: Path) -> dict:
-    """Module name -> PackedWeight, read straight from a pack-quantized artifact's files."""
+    """Module name -> PackedWeight, read straight from the files of a compressed-tensors
+    pack-quantized artifact or an lmpress-packed one."""
     from safetensors import safe_open
 
+    from compressors import lmpress_format
     from compressors.packed_int import FORMAT, PackedWeight
 
-    config = read_json(Path(folder) / "config.json", "pass a model folder").get("quantization_config") or {}
+    folder = Path(folder)
+    config = read_json(folder / "config.json", "pass a model folder")
+    settings = config.get("quantization_config") or {}
+    handles = {}
+    for file in weight_files(folder):
+        handle = safe_open(file, framework="pt")
+        handles.update({key: handle for key in handle.keys()})
+    tensor = lambda key: handles[key].get_tensor(key)  # noqa: E731
+    if lmpress_format.is_lmpress_packed(config):
+        return lmpress_format.read_packed_weights(folder, config, tensor)
     require(
-        config.get("quant_method") == "compressed-tensors" and config.get("format") == FORMAT,
-        f"{folder} is not a {FORMAT} compressed-tensors artifact; quantize it with `lmpress quantize`",
+        settings.get("quant_method") == "compressed-tensors" and settings.get("format") == FORMAT,
+        f"{folder} is not a {FORMAT} compressed-tensors or {lmpress_format.FORMAT} artifact; quantize it with `lmpress quantize`",
     )
     weights = {}
-    for file in weight_files(Path(folder)):
-        with safe_open(file, framework="pt") as handle:
-            keys = set(handle.keys())
-            for key in sorted(k for k in keys if k.endswith(".weight_packed")):
-                name = key.removesuffix(".weight_packed")
-                require(f"{name}.weight_zero_point" not in keys, f"{name} has zero points; lmpress serves symmetric weights only")
-                weights[name] = PackedWeight(
-                    handle.get_tensor(key), handle.get_tensor(f"{name}.weight_scale").half(), _bits_for(name, config),
-                    int(handle.get_tensor(f"{name}.weight_shape")[1]),
-                )
+    for key in sorted(k for k in handles if k.endswith(".weight_packed")):
+        name = key.removesuffix(".weight_packed")
+        require(f"{name}.weight_zero_point" not in handles, f"{name} has packed zero points; lmpress serves those from its own format only")
+        weights[name] = PackedWeight(
+            tensor(key), tensor(f"{name}.weight_scale").half(), _bits_for(name, settings), int(tensor(f"{name}.weight_shape")[1]),
+        )
     return weights
+
+
+def swap_in_packed_linears(model, weights: dict) -> None:
+    """Replace each named linear by a kernel-backed PackedLinear holding its packed weight."""
+    from compressors.kernels import PackedLinear
+
+    for name, weight in weights.items():
+        parent, child = name.rsplit(".", 1)
+        module = model.get_submodule(parent)
+        setattr(module, child, PackedLinear(weight, getattr(module, child).bias))
+
+
+def load_lmpress_packed(folder: Path, config, dtype: torch.dtype):
+    """Open an lmpress-packed artifact: transformers builds the model and loads the dense
+    tensors (the packed linears' `weight` keys hold packed codes of another shape, so it
+    initializes those weights), then every packed linear is swapped for a PackedLinear."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config = copy.deepcopy(config)
+    config.__dict__.pop("quantization_config")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the mismatched weights are expected; they are replaced below
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False, ignore_mismatched_sizes=True,
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    swap_in_packed_linears(model, packed_weights(folder))
+    return model
 
 
 def load_for_serving(spec: str, device: str = "cpu") -> LoadedModel:
@@ -56,10 +95,8 @@ def load_for_serving(spec: str, device: str = "cpu") -> LoadedModel:
     from compressors.kernels import PackedLinear
 
     loaded = load_model(spec)
-    for name, weight in packed_weights(loaded.folder).items():
-        parent, child = name.rsplit(".", 1)
-        module = loaded.model.get_submodule(parent)
-        setattr(module, child, PackedLinear(weight, getattr(module, child).bias))
+    if not any(isinstance(module, PackedLinear) for module in loaded.model.modules()):  # compressed-tensors, decompressed at load
+        swap_in_packed_linears(loaded.model, packed_weights(loaded.folder))
     loaded.model.to(device)
     return loaded
 
@@ -89,7 +126,8 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     if not gpu:
         representatives = {}
         for name, weight in weights.items():
-            representatives.setdefault((weight.rows, weight.columns, weight.bits, weight.group_size), name)
+            kind = "codebook" if weight.codebook is not None else "asymmetric" if weight.zero is not None else "symmetric"
+            representatives.setdefault((weight.rows, weight.columns, weight.bits, weight.group_size, kind), name)
         weights = {name: weights[name] for name in representatives.values()}
     generator = torch.Generator().manual_seed(0)
     layers, used = {}, set()
@@ -100,8 +138,11 @@ def validate(folder: Path, out: Path | None = None) -> dict:
             continue
         require(self_check(kernel, device), f"kernel {kernel.name} failed its self-check on {device}; do not serve with it")
         used.add(kernel)
-        weight = type(weight)(weight.packed.to(device), weight.scale.to(device), weight.bits, weight.columns)
-        entry = {"kernel": kernel.name, "shape": [weight.rows, weight.columns], "bits": weight.bits, "max_abs_error": {}, "max_rel_error": {}}
+        weight = weight.to(device)
+        entry = {
+            "kernel": kernel.name, "shape": [weight.rows, weight.columns], "bits": weight.bits,
+            "decode": "codebook" if weight.codebook is not None else f"grid, group {weight.group_size}", "max_abs_error": {}, "max_rel_error": {},
+        }
         dense = kernel.reference(torch.eye(weight.columns, device=device, dtype=dtype), weight).T.contiguous() if gpu else None
         for batch in BATCHES:
             x = torch.randn(batch, weight.columns, generator=generator).to(device, dtype)

@@ -187,7 +187,8 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
 
 # --------------------------------------------------------------------------- quantize
 
-QUANTIZE_METHODS = ("rtn", "gptq", "awq", "nf4", "int8")
+QUANTIZE_METHODS = ("rtn", "gptq", "awq", "squeezellm", "nf4", "int8")
+CALIBRATED_METHODS = ("gptq", "awq", "squeezellm")
 BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
 
 
@@ -207,6 +208,10 @@ class QuantizeConfig:
     def validate(self) -> None:
         require(self.method in QUANTIZE_METHODS, f"unknown method '{self.method}'; use one of {', '.join(QUANTIZE_METHODS)}")
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+        if self.method == "squeezellm":
+            from compressors.squeezellm import check_bits
+
+            check_bits(self.bits)
         require_positive(batch_size=self.batch_size)
         self.default_grid()
 
@@ -252,26 +257,34 @@ def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[st
                 settings.get("bits", config.bits), settings.get("group_size", config.group_size),
                 settings.get("symmetric", config.symmetric),
             )
-            if config.method not in BITSANDBYTES_METHODS:
+            if config.method == "squeezellm":  # per-row codebooks: no groups, bits only
+                from compressors.squeezellm import check_bits
+
+                require(set(settings) <= {"bits"}, f"squeezellm overrides set only bits (got {sorted(settings)} for '{name}')")
+                check_bits(grid.bits)
+            elif config.method not in BITSANDBYTES_METHODS:
                 grid.check_width(module.in_features, name)
             plan[name] = grid
     return plan
 
 
 def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeConfig) -> Path:
-    """Quantize every decoder linear (RTN, or GPTQ with Hessians from the calibration samples,
-    walking the model layer by layer so each layer sees the already-quantized inputs) and write
-    a compressed-tensors artifact."""
+    """Quantize every decoder linear (RTN; GPTQ, AWQ or SqueezeLLM from the calibration data,
+    walking the model layer by layer so each layer sees the already-quantized inputs, or from
+    the stored statistics) and write a compressed-tensors artifact, or an lmpress-packed one for
+    codebooks and asymmetric grids."""
     from calibrate.stats import CalibrationData
     from compressors.awq import awq_layer
     from compressors.gptq import gptq_quantize
     from compressors.grid import round_to_nearest
+    from compressors.lmpress_format import save_lmpress_packed
     from compressors.packed_int import save_pack_quantized
+    from compressors.squeezellm import squeezellm_quantize
     from pipelines.serving import bundle_kernels, validate
 
     config.validate()
     require_directory_target(out)
-    needs_calibration = config.method in ("gptq", "awq")
+    needs_calibration = config.method in CALIBRATED_METHODS
     require(calibration is not None or not needs_calibration, f"method {config.method} needs --calibration (run `lmpress calibrate`)")
     run = StageRun()
     loaded = load_model(model)
@@ -300,6 +313,11 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
                 local: gptq_quantize(layer.get_submodule(local).weight.data, stats[local].second_moment, grid, config.damp, config.act_order)
                 for local, grid in layer_plan.items()
             }
+        elif config.method == "squeezellm":
+            results = {
+                local: squeezellm_quantize(layer.get_submodule(local).weight.data, stats[local].second_moment.diagonal(), grid.bits)
+                for local, grid in layer_plan.items()
+            }
         else:
             results = awq_layer(layer, arch, loaded.config, stats, layer_plan)
         for local, q in results.items():
@@ -318,7 +336,10 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             for index, layer in enumerate(decoder_layers(loaded.model)):
                 quantize_layer(index, layer, calib.layer(index) if config.method != "rtn" else {})
                 advance()
-        save_pack_quantized(loaded.model, quantized, tmp)
+        if config.method == "squeezellm" or not all(grid.symmetric for grid in plan.values()):
+            save_lmpress_packed(loaded.model, quantized, tmp)  # what compressed-tensors cannot carry
+        else:
+            save_pack_quantized(loaded.model, quantized, tmp)
         loaded.tokenizer.save_pretrained(tmp)
         bundle_kernels(tmp)
         validate(tmp)

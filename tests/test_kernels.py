@@ -12,40 +12,56 @@ from compressors.packed_int import PackedWeight, dequantize_reference, dequantiz
 from conftest import run_cli
 
 
-def packed(bits, rows, columns, group, seed=0):
+def packed(bits, rows, columns, group, kind="symmetric", seed=0):
+    """A random packed weight: `kind` symmetric or asymmetric grid (group scales), or codebook."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (rows, columns), generator=g, dtype=torch.int8)
+    if kind == "codebook":
+        return PackedWeight(pack_to_int32(codes, bits), None, bits, columns, codebook=(torch.randn(rows, 1 << bits, generator=g) / 50).half())
     scale = (torch.rand(rows, columns // group, generator=g) * 0.02 + 0.001).half()
-    return PackedWeight(pack_to_int32(codes, bits), scale, bits, columns)
+    zero = torch.randint(-3, 3, scale.shape, generator=g, dtype=torch.int8) if kind == "asymmetric" else None
+    return PackedWeight(pack_to_int32(codes, bits), scale, bits, columns, zero)
 
 
-SHAPES = [  # bits, N, K, group: K off the 64-column block, per-channel, a single output row
-    (4, 96, 160, 32), (4, 1, 128, 64), (8, 40, 100, 100), (2, 64, 96, 32), (4, 130, 64, 64),
+SHAPES = [  # bits, N, K, group, decode: K off the 64-column block, per-channel, one output row, 3-bit codes straddling words
+    (4, 96, 160, 32, "symmetric"), (4, 1, 128, 64, "symmetric"), (8, 40, 100, 100, "symmetric"), (2, 64, 96, 32, "symmetric"),
+    (4, 130, 64, 64, "symmetric"), (3, 72, 100, 50, "symmetric"), (3, 33, 96, 32, "asymmetric"), (8, 20, 64, 32, "asymmetric"),
+    (3, 70, 100, None, "codebook"), (4, 1, 160, None, "codebook"), (2, 17, 64, None, "codebook"),
 ]
 
 
-@pytest.mark.parametrize("bits,rows,columns,group", SHAPES)
+@pytest.mark.parametrize("bits,rows,columns,group,kind", SHAPES)
 @pytest.mark.parametrize("batch", [1, 3, 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_matmul_matches_reference(bits, rows, columns, group, batch, dtype):
-    weight = packed(bits, rows, columns, group)
+def test_fused_matmul_matches_reference(bits, rows, columns, group, kind, batch, dtype):
+    weight = packed(bits, rows, columns, group, kind)
     x = torch.randn(batch, columns, generator=torch.Generator().manual_seed(1)).to(dtype)
     got, expected = matmul_triton(x, weight).float(), matmul_reference(x, weight).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     assert (got - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item())
 
 
-@pytest.mark.parametrize("bits,rows,columns,group", SHAPES)
-def test_dequantize_kernel_is_exact(bits, rows, columns, group):
-    weight = packed(bits, rows, columns, group)
+@pytest.mark.parametrize("bits,rows,columns,group,kind", SHAPES)
+def test_dequantize_kernel_is_exact(bits, rows, columns, group, kind):
+    weight = packed(bits, rows, columns, group, kind)
     assert torch.equal(dequantize_triton(weight, torch.float32), dequantize_reference(weight))
+
+
+def test_references_decode_the_codes():
+    """The torch references themselves, against codes and tables by hand."""
+    codes = torch.tensor([[-4, 3, 0, -1, 2]], dtype=torch.int8)
+    table = torch.arange(8, dtype=torch.float16).reshape(1, 8) / 4
+    codebook = PackedWeight(pack_to_int32(codes, 3), None, 3, 5, codebook=table)
+    assert dequantize_reference(codebook).tolist() == [[0.0, 1.75, 1.0, 0.75, 1.5]]  # index = code + 4
+    grid = PackedWeight(pack_to_int32(codes, 3), torch.tensor([[0.5]]).half(), 3, 5, torch.tensor([[1]], dtype=torch.int8))
+    assert dequantize_reference(grid).tolist() == [[-2.5, 1.0, -0.5, -1.0, 0.5]]  # (q - zero) * scale
 
 
 def test_self_check_and_selection():
     kernel = KERNELS[0]
     assert self_check(kernel, torch.device("cpu"))
     assert select_kernel(packed(4, 8, 64, 64), torch.device("cpu")) is kernel
-    assert select_kernel(PackedWeight(torch.zeros(8, 6, dtype=torch.int32), torch.ones(8, 2).half(), 3, 64), torch.device("cpu")) is None
+    assert select_kernel(packed(3, 8, 64, None, "codebook"), torch.device("cpu")) is kernel
 
 
 def test_packed_linear_equals_the_dense_layer():
@@ -69,7 +85,7 @@ def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder
     report = json.loads((out / "validation.json").read_text())
     assert report["gpu_validated"] is False and report["device"] == "cpu (Triton interpreter)"
     assert report["max_rel_error"] < 1e-5
-    source = report["kernels"]["triton-packed-int-matmul"]
+    source = report["kernels"]["triton-packed-matmul"]
     assert hashlib.sha256((out / source["source"]).read_bytes()).hexdigest() == source["sha256"]
 
     served, dense = load_for_serving(str(out)), load_model(str(out))
@@ -87,7 +103,7 @@ def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder
 
 def test_validate_refuses_a_dense_model(tiny_folder):
     result = run_cli("validate", tiny_folder)
-    assert result.returncode == 2 and "is not a pack-quantized compressed-tensors artifact" in result.stderr
+    assert result.returncode == 2 and "is not a pack-quantized compressed-tensors or lmpress-packed artifact" in result.stderr
 
 
 def test_quantize_validates_without_triton_interpret_in_the_environment(tmp_path, tiny_folder):
