@@ -264,6 +264,12 @@ def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[st
                 check_bits(grid.bits)
             elif config.method not in BITSANDBYTES_METHODS:
                 grid.check_width(module.in_features, name)
+            elif config.method == "nf4" and not torch.cuda.is_available():
+                require(
+                    module.in_features % 64 == 0,
+                    f"nf4 on the CPU needs input widths that are multiples of 64 (bitsandbytes' CPU kernel); {name} is "
+                    f"{module.in_features} wide: leave it dense with --skip, or use rtn, gptq, awq or squeezellm",
+                )
             plan[name] = grid
     return plan
 

@@ -105,6 +105,7 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert "group size 64 does not divide the input width 96 of model.layers.0.mlp.down_proj" in error("--method", "rtn", "--group-size", "64")
     assert "unknown method 'awq2'" in error("--method", "awq2")
     assert "needs --calibration" in error("--method", "gptq")
+    assert "nf4 on the CPU needs input widths that are multiples of 64" in error("--method", "nf4")  # down_proj is 96 wide
 
 
 def test_calibration_from_another_model_is_refused(tmp_path, tiny_folder):

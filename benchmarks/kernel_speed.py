@@ -1,0 +1,135 @@
+"""Speed of the packed-weight kernels at realistic layer shapes, side by side in one run.
+
+    python benchmarks/kernel_speed.py [--shapes 4096x4096,4096x14336,14336x4096] [--batches 1,16,64]
+
+Needs a CUDA GPU (on the CPU Triton only interprets, so no speed means anything there; run it
+with --smoke to check the script itself on tiny shapes). Random weights, since speed does not
+depend on values. Per shape (N x K: out x in) and batch: torch fp16 matmul (dense), lmpress's
+Triton kernels for int4 group 128, int3 group 128, int4 asymmetric group 128 and a 4-bit
+codebook, and bitsandbytes NF4 when it is installed; each as time and speedup over fp16. At
+batch 1 it also reports the bandwidth each kernel achieves (bytes it must read / time) as a
+fraction of the device's measured copy bandwidth (a large device-to-device copy), which is the
+roof for a memory-bound GEMV. Results: benchmarks/results/kernel_speed.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from compressors.packed_int import PackedWeight, matmul_reference, matmul_triton  # noqa: E402
+
+
+def random_packed(kind: str, n: int, k: int, device, group: int = 128) -> PackedWeight:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    bits = 3 if kind == "int3" else 4
+    codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), dtype=torch.int8)
+    packed = pack_to_int32(codes, bits)
+    if kind == "codebook4":
+        return PackedWeight(packed, None, 4, k, codebook=(torch.randn(n, 16) / 50).half()).to(device)
+    scale = (torch.rand(n, k // group) / 50 + 1e-3).half()
+    zero = torch.randint(-2, 2, scale.shape, dtype=torch.int8) if kind == "int4-asym" else None
+    return PackedWeight(packed, scale, bits, k, zero).to(device)
+
+
+def stored_bytes(weight: PackedWeight) -> int:
+    return sum(t.numel() * t.element_size() for t in (weight.packed, weight.scale, weight.zero, weight.codebook) if t is not None)
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds per call, with CUDA events, after a warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), 20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096", help="NxK (out x in), comma-separated")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works in the Triton interpreter)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_speed")
+    args = parser.parse_args()
+
+    kinds = ("int4", "int3", "int4-asym", "codebook4")
+    if args.smoke:
+        for kind in kinds:
+            weight = random_packed(kind, 64, 256, "cpu")
+            x = torch.randn(3, 256)
+            error = (matmul_triton(x, weight) - matmul_reference(x, weight)).abs().max().item()
+            print(f"{kind}: max abs error {error:.2e}")
+            assert error < 1e-4
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel speed needs a CUDA GPU (the CPU only interprets Triton); use --smoke to check the script")
+
+    device = torch.device("cuda")
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional as bnb
+    except ImportError:
+        bnb = None
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for shape in args.shapes.split(","):
+        n, k = map(int, shape.split("x"))
+        dense = (torch.randn(n, k, device=device) / 50).half()
+        weights = {kind: random_packed(kind, n, k, device) for kind in kinds}
+        nf4 = bnb.quantize_4bit(dense, quant_type="nf4") if bnb is not None else None
+        for batch in map(int, args.batches.split(",")):
+            x = torch.randn(batch, k, device=device, dtype=torch.float16)
+            fp16 = timed(lambda: x @ dense.T, args.repeats)
+            row = {"shape": f"{n}x{k}", "batch": batch, "fp16_us": round(fp16 * 1e6, 1)}
+            if batch == 1:
+                row["fp16_bandwidth_fraction"] = round(2 * n * k / fp16 / bandwidth, 3)
+            for kind, weight in weights.items():
+                error = (matmul_triton(x, weight).float() - matmul_reference(x, weight).float()).abs().max().item()
+                seconds = timed(lambda: matmul_triton(x, weight), args.repeats)
+                row[f"{kind}_us"], row[f"{kind}_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
+                row[f"{kind}_max_abs_error"] = error
+                if batch == 1:
+                    row[f"{kind}_bandwidth_fraction"] = round(stored_bytes(weight) / seconds / bandwidth, 3)
+            if nf4 is not None:
+                packed, state = nf4  # as transformers' Linear4bit calls it: GEMV at batch 1, else dequantize + matmul
+                seconds = timed(lambda: bitsandbytes.matmul_4bit(x, packed.t(), quant_state=state), args.repeats)
+                row["bnb_nf4_us"], row["bnb_nf4_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    columns = ["fp16_us", *[f"{kind}_speedup" for kind in kinds], "bnb_nf4_speedup", "int4_bandwidth_fraction"]
+    lines = [f"{report['device']}, copy bandwidth {report['copy_bandwidth_GBps']} GB/s", "",
+             "| shape | batch | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
+    for row in rows:
+        lines.append(f"| {row['shape']} | {row['batch']} | " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
