@@ -95,13 +95,19 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
 
 import os  # noqa: E402
 
-if not torch.cuda.is_available():
-    # Without a GPU Triton runs only in its interpreter, and it decides per kernel when the
-    # kernel is *defined* (below), so the choice is made here, not by whoever calls first.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
+import triton  # noqa: E402  (compressors/__init__.py picked the interpreter if there is no GPU)
 import triton.language as tl  # noqa: E402
+from pipelines.errors import LmpressError  # noqa: E402
+
+
+def check_triton_backend(device: torch.device) -> None:
+    """On the CPU the kernels need Triton's interpreter, which only works when it was chosen
+    before anything imported triton."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise LmpressError(
+            "Triton kernels on the CPU need its interpreter: set TRITON_INTERPRET=1, or import lmpress before "
+            "transformers/bitsandbytes/triton"
+        )
 
 KERNEL_BITS = (2, 3, 4, 8)
 
@@ -220,6 +226,7 @@ def matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
 
 
 def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    check_triton_backend(weight.packed.device)
     out = torch.empty(weight.rows, weight.columns, dtype=dtype, device=weight.packed.device)
     tensors, strides, flags = weight._kernel_args()
     grid = (triton.cdiv(weight.rows, block_n), triton.cdiv(weight.columns, block_k))
@@ -229,6 +236,7 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 
 def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
     """x [M, K] @ dequantized(weight)^T, fused; the GEMV kernel serves M == 1."""
+    check_triton_backend(x.device)
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)

@@ -116,3 +116,19 @@ def test_quantize_validates_without_triton_interpret_in_the_environment(tmp_path
     result = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--group-size", "32", "--out", out, env=env)
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "validation.json").read_text())["max_rel_error"] < 1e-5
+
+
+def test_triton_backend_is_chosen_on_import_of_lmpress():
+    """bitsandbytes and transformers import triton early, which fixes how Triton builds its
+    language; importing lmpress first picks the interpreter on a machine without a GPU, and
+    the other order fails with a clear error instead of a crash inside Triton."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    check = "import torch; from compressors.kernels import KERNELS, self_check; print(self_check(KERNELS[0], torch.device('cpu')))"
+    first = subprocess.run([sys.executable, "-c", f"import pipelines.stages, transformers, bitsandbytes; {check}"], capture_output=True, text=True, env=env)
+    assert first.returncode == 0 and first.stdout.strip() == "True", first.stderr
+    late = subprocess.run([sys.executable, "-c", f"import transformers, bitsandbytes; {check}"], capture_output=True, text=True, env=env)
+    assert late.returncode != 0 and "need its interpreter: set TRITON_INTERPRET=1" in late.stderr
