@@ -4,6 +4,8 @@ layer's reconstruction loss ||X W^T - X Q^T||^2, whose Hessian is 2 X^T X.
 
 The whole algorithm is `gptq_quantize`; the Hessian comes from the calibration statistics
 (collected on the already-quantized model's activations when the stage runs layer-sequential).
+The error feedback does not care what the values are: given per-row codebooks (SqueezeLLM's
+tables) instead of a uniform grid, each column is rounded to its row's nearest table entry.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ def gptq_quantize(
     damp: float = 0.01,
     act_order: bool = False,
     block_size: int = 128,
-) -> QuantizedLinear:
+    codebook: torch.Tensor | None = None,
+):
     """weight [out, in], hessian E[x x^T] [in, in] (any positive multiple of X^T X works).
+    Returns a QuantizedLinear, or with `codebook` [out, levels] (rows sorted ascending) a
+    CodebookLinear whose indices point into it (`spec` then only names the bits).
 
     With `act_order` columns are processed by decreasing Hessian diagonal (most salient first);
     groups still cover consecutive *original* columns, so their grids are fitted up front on
@@ -41,8 +46,16 @@ def gptq_quantize(
     n_groups = columns // width
     scale = torch.zeros(rows, n_groups)
     zero = torch.zeros(rows, n_groups)
-    static = act_order or n_groups == 1
-    if static:
+    static = act_order or n_groups == 1 or codebook is not None
+    if codebook is not None:
+        from compressors.squeezellm import CodebookLinear, nearest_entry
+
+        round_column = lambda w, g: nearest_entry(w[:, None], codebook)[:, 0].float()  # noqa: E731
+        value = lambda q, g: codebook.gather(1, q[:, None].long())[:, 0]  # noqa: E731
+    else:
+        round_column = lambda w, g: quantize(w, scale[:, g], zero[:, g], spec)  # noqa: E731
+        value = lambda q, g: dequantize(q, scale[:, g], zero[:, g])  # noqa: E731
+    if static and codebook is None:
         for g in range(n_groups):
             scale[:, g : g + 1], zero[:, g : g + 1] = fit_grid(W[:, g * width : (g + 1) * width], spec)
     order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(columns)
@@ -65,12 +78,14 @@ def gptq_quantize(
             if not static and column % width == 0:
                 scale[:, g : g + 1], zero[:, g : g + 1] = fit_grid(block[:, i : i + width], spec)
             w = block[:, i]
-            q = quantize(w, scale[:, g], zero[:, g], spec)
+            q = round_column(w, g)
             codes[:, start + i] = q
-            error = (w - dequantize(q, scale[:, g], zero[:, g])) / Hinv[start + i, start + i]
+            error = (w - value(q, g)) / Hinv[start + i, start + i]
             block[:, i:] -= error[:, None] * Hinv[start + i, start + i : end][None, :]
             errors[:, i] = error
         W[:, end:] -= errors @ Hinv[start:end, end:]
 
     codes = codes[:, torch.argsort(order)]
+    if codebook is not None:
+        return CodebookLinear(codes.to(torch.uint8), codebook, spec.bits)
     return QuantizedLinear(codes.to(torch.int8), scale, zero, spec)

@@ -9,6 +9,10 @@ loss). lmpress uses the diagonal of the layer's GPTQ Hessian instead, E[x_j^2] o
 j, which the calibration stage already measures: the output error of changing w_ij by d is
 d^2 * E[x_j^2] when the other columns are left alone, so weighting by it is the layer-wise
 version of the same criterion, and needs no backward pass through the model.
+
+With the full Hessian at hand (`hessian=`), the indices can also be chosen by GPTQ's error
+feedback onto the same tables (compressors/gptq.py) instead of rounding each weight to its
+nearest entry alone: method `squeezellm-gptq`.
 """
 
 from __future__ import annotations
@@ -41,9 +45,13 @@ def check_bits(bits: int) -> None:
     require(bits in CODEBOOK_BITS, f"squeezellm takes bits {', '.join(map(str, CODEBOOK_BITS))} (got {bits}); use rtn, gptq or awq for 8 bits")
 
 
-def squeezellm_quantize(weight: torch.Tensor, sensitivity: torch.Tensor, bits: int, max_iter: int = 50) -> CodebookLinear:
+def squeezellm_quantize(
+    weight: torch.Tensor, sensitivity: torch.Tensor, bits: int, hessian: torch.Tensor | None = None, damp: float = 0.01,
+    act_order: bool = True, max_iter: int = 50,
+) -> CodebookLinear:
     """Weighted k-means (scikit-learn) of each row of `weight` [out, in] into 2^bits values,
-    with per-column weights `sensitivity` [in]. Deterministic: the centroids start at the
+    with per-column weights `sensitivity` [in]; then each weight's index is its nearest entry,
+    or, given the `hessian` E[x x^T], GPTQ's choice. Deterministic: the centroids start at the
     row's sensitivity-weighted quantiles, so no random restarts are needed."""
     from sklearn.cluster import KMeans
     from sklearn.exceptions import ConvergenceWarning
@@ -68,11 +76,16 @@ def squeezellm_quantize(weight: torch.Tensor, sensitivity: torch.Tensor, bits: i
             codebook[row] = np.sort(kmeans.cluster_centers_[:, 0])
     # values are stored as fp16: pick indices against the fp16 table the artifact holds
     table = torch.from_numpy(codebook).half().float()
-    indices = _nearest(weight.float().cpu(), table)
+    if hessian is not None:
+        from compressors.gptq import gptq_quantize
+        from compressors.grid import GridSpec
+
+        return gptq_quantize(weight, hessian, GridSpec(bits, -1), damp, act_order, codebook=table)
+    indices = nearest_entry(weight.float().cpu(), table)
     return CodebookLinear(indices.to(torch.uint8), table, bits)
 
 
-def _nearest(weight: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def nearest_entry(weight: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Index of the nearest table entry for each weight; table rows sorted ascending."""
     midpoints = (table[:, 1:] + table[:, :-1]) / 2
     return torch.searchsorted(midpoints.contiguous(), weight.contiguous())

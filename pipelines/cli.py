@@ -88,7 +88,7 @@ def quantize(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the quantized model; replaced only when complete."),
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
     calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (needed by gptq)."),
-    method: str = typer.Option("gptq", help="rtn (round to nearest, the baseline), gptq (Hessian-based error compensation), awq (activation-aware scales and clipping), squeezellm (per-row k-means codebooks, 2-4 bits; group size does not apply), or bitsandbytes' nf4 / int8 (their own formats; bits and group size do not apply)."),
+    method: str = typer.Option("gptq", help="rtn (round to nearest, the baseline), gptq (Hessian-based error compensation), awq (activation-aware scales and clipping), squeezellm (per-row k-means codebooks, 2-4 bits; group size does not apply), squeezellm-gptq (the same codebooks, indices chosen by GPTQ's error feedback), or bitsandbytes' nf4 / int8 (their own formats; bits and group size do not apply)."),
     bits: int = typer.Option(4, help="Bits per weight: 2, 3, 4 or 8."),
     group_size: int = typer.Option(64, "--group-size", help="Input columns sharing one scale: 32, 64, 128, or -1 for per-channel."),
     symmetric: Switch = typer.Option(Switch.true, help="Symmetric grid (zero point 0)."),

@@ -187,8 +187,9 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
 
 # --------------------------------------------------------------------------- quantize
 
-QUANTIZE_METHODS = ("rtn", "gptq", "awq", "squeezellm", "nf4", "int8")
-CALIBRATED_METHODS = ("gptq", "awq", "squeezellm")
+CODEBOOK_METHODS = ("squeezellm", "squeezellm-gptq")
+QUANTIZE_METHODS = ("rtn", "gptq", "awq", *CODEBOOK_METHODS, "nf4", "int8")
+CALIBRATED_METHODS = ("gptq", "awq", *CODEBOOK_METHODS)
 BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
 
 
@@ -208,7 +209,7 @@ class QuantizeConfig:
     def validate(self) -> None:
         require(self.method in QUANTIZE_METHODS, f"unknown method '{self.method}'; use one of {', '.join(QUANTIZE_METHODS)}")
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
-        if self.method == "squeezellm":
+        if self.method in CODEBOOK_METHODS:
             from compressors.squeezellm import check_bits
 
             check_bits(self.bits)
@@ -257,7 +258,7 @@ def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[st
                 settings.get("bits", config.bits), settings.get("group_size", config.group_size),
                 settings.get("symmetric", config.symmetric),
             )
-            if config.method == "squeezellm":  # per-row codebooks: no groups, bits only
+            if config.method in CODEBOOK_METHODS:  # per-row codebooks: no groups, bits only
                 from compressors.squeezellm import check_bits
 
                 require(set(settings) <= {"bits"}, f"squeezellm overrides set only bits (got {sorted(settings)} for '{name}')")
@@ -319,9 +320,13 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
                 local: gptq_quantize(layer.get_submodule(local).weight.data, stats[local].second_moment, grid, config.damp, config.act_order)
                 for local, grid in layer_plan.items()
             }
-        elif config.method == "squeezellm":
+        elif config.method in CODEBOOK_METHODS:
+            hessian = lambda local: stats[local].second_moment if config.method == "squeezellm-gptq" else None  # noqa: E731
             results = {
-                local: squeezellm_quantize(layer.get_submodule(local).weight.data, stats[local].second_moment.diagonal(), grid.bits)
+                local: squeezellm_quantize(
+                    layer.get_submodule(local).weight.data, stats[local].second_moment.diagonal(), grid.bits, hessian(local),
+                    config.damp, config.act_order,
+                )
                 for local, grid in layer_plan.items()
             }
         else:
@@ -342,7 +347,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             for index, layer in enumerate(decoder_layers(loaded.model)):
                 quantize_layer(index, layer, calib.layer(index) if config.method != "rtn" else {})
                 advance()
-        if config.method == "squeezellm" or not all(grid.symmetric for grid in plan.values()):
+        if config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):
             save_lmpress_packed(loaded.model, quantized, tmp)  # what compressed-tensors cannot carry
         else:
             save_pack_quantized(loaded.model, quantized, tmp)

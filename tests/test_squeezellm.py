@@ -47,6 +47,19 @@ def test_sensitivity_moves_the_codebook_toward_sensitive_weights():
     assert _weighted_error(w, weighted.dequantized(), sensitivity) < _weighted_error(w, unweighted.dequantized(), sensitivity)
 
 
+@pytest.mark.parametrize("bits", [3, 4])
+def test_gptq_error_feedback_onto_the_codebooks(bits):
+    """squeezellm-gptq: the same tables, indices chosen by GPTQ: a lower output error
+    tr(D H D^T) than nearest-entry rounding (measured 0.35 vs 0.59 at 3 bits)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 128, generator=g) @ torch.randn(128, 128, generator=g) * 0.1
+    h, w = x.T @ x / x.shape[0], torch.randn(48, 128, generator=g) * 0.05
+    loss = lambda q: torch.trace((w - q.dequantized()) @ h @ (w - q.dequantized()).T).item()  # noqa: E731
+    plain, feedback = squeezellm_quantize(w, h.diagonal(), bits), squeezellm_quantize(w, h.diagonal(), bits, hessian=h)
+    assert torch.equal(plain.codebook, feedback.codebook) and feedback.indices.dtype == torch.uint8
+    assert loss(feedback) < 0.8 * loss(plain)
+
+
 def test_constant_and_zero_rows():
     w = torch.zeros(3, 64)
     w[1] = 0.25
