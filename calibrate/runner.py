@@ -9,11 +9,14 @@
 
 Only the current layer runs on `device` (the rest of the model stays where it was loaded), and
 only one set of hidden states (one per batch) is held between layers, so activation memory
-does not grow with depth.
+does not grow with depth. With `dtype=torch.bfloat16` the layers run in bf16 (the hidden
+states are held in it too) while the model's own weights stay as loaded: about 3x faster
+matmuls on CPUs with AVX512-BF16 and on GPUs, at bf16's precision for the activations.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
@@ -22,14 +25,31 @@ from torch import nn
 from pipelines.models import decoder_layers
 
 
-def _to(value, device):
+def _to(value, device, dtype=None):
+    """Tensors in nested args to `device`, floating ones also to `dtype` (when given)."""
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return value.to(device, dtype) if dtype is not None and value.is_floating_point() else value.to(device)
     if isinstance(value, (tuple, list)):
-        return type(value)(_to(item, device) for item in value)
+        return type(value)(_to(item, device, dtype) for item in value)
     if isinstance(value, dict):
-        return {key: _to(item, device) for key, item in value.items()}
+        return {key: _to(item, device, dtype) for key, item in value.items()}
     return value
+
+
+@contextmanager
+def _running_in(layer: nn.Module, dtype: torch.dtype | None):
+    """The layer's floating parameters cast to `dtype` for the duration, then put back as they
+    were (the originals are kept, not cast back, so nothing is rounded)."""
+    originals = {name: p.data for name, p in layer.named_parameters() if dtype is not None and p.is_floating_point()}
+    try:
+        for name, p in layer.named_parameters():
+            if name in originals:
+                p.data = p.data.to(dtype)
+        yield
+    finally:
+        for name, p in layer.named_parameters():
+            if name in originals:
+                p.data = originals[name]
 
 
 class LayerRunner:
@@ -40,8 +60,10 @@ class LayerRunner:
         batch_size: int = 8,
         device: torch.device | str | None = None,
         on_layer_done: Callable[[int], None] | None = None,
+        dtype: torch.dtype | None = None,
     ):
         self.model = model
+        self.dtype = dtype
         self.layers = decoder_layers(model)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.on_layer_done = on_layer_done
@@ -62,7 +84,7 @@ class LayerRunner:
             def forward(hidden_states, *args, **kwargs):
                 calls[index].append((args, kwargs))
                 if index == 0:
-                    hidden.append(hidden_states)
+                    hidden.append(hidden_states if self.dtype is None else hidden_states.to(self.dtype))
                 return hidden_states
 
             return forward
@@ -97,9 +119,10 @@ class LayerRunner:
         """Run the current layer on every batch of samples (hooks on it see the real inputs).
         With `propagate`, its outputs become the inputs of the next layer."""
         outputs = []
-        for hidden, (args, kwargs) in zip(self.hidden, self.calls[self._index]):
-            output = layer(hidden, *_to(args, self.device), **_to(kwargs, self.device))
-            if propagate:
-                outputs.append(output)
+        with _running_in(layer, self.dtype):
+            for hidden, (args, kwargs) in zip(self.hidden, self.calls[self._index]):
+                output = layer(hidden, *_to(args, self.device, self.dtype), **_to(kwargs, self.device, self.dtype))
+                if propagate:
+                    outputs.append(output)
         if propagate:
             self.hidden, self._propagated = outputs, True

@@ -190,6 +190,7 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
 CODEBOOK_METHODS = ("squeezellm", "squeezellm-gptq")
 QUANTIZE_METHODS = ("rtn", "gptq", "awq", *CODEBOOK_METHODS, "nf4", "int8")
 CALIBRATED_METHODS = ("gptq", "awq", *CODEBOOK_METHODS)
+FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
 
 
@@ -202,6 +203,7 @@ class QuantizeConfig:
     act_order: bool = True
     damp: float = 0.01
     sequential: bool = True
+    forward_dtype: str = "float32"  # float32 | bfloat16: the layers' dtype in the sequential passes
     skip: str = ""  # comma-separated regexes of linear names left dense
     overrides: str = ""  # YAML file: {regex of linear names: {bits, group_size, symmetric}}
     batch_size: int = 8
@@ -214,6 +216,7 @@ class QuantizeConfig:
 
             check_bits(self.bits)
         require_positive(batch_size=self.batch_size)
+        require(self.forward_dtype in FORWARD_DTYPES, f"forward dtype must be float32 or bfloat16 (got '{self.forward_dtype}')")
         self.default_grid()
 
     def default_grid(self):
@@ -338,7 +341,9 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
 
     with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
         if config.method != "rtn" and config.sequential:
-            runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=lambda _: advance())
+            runner = LayerRunner(
+                loaded.model, calib.input_ids, config.batch_size, on_layer_done=lambda _: advance(), dtype=FORWARD_DTYPES[config.forward_dtype],
+            )
             for index, layer in runner:
                 with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
                     runner.forward(layer, propagate=False)

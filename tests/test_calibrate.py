@@ -9,9 +9,9 @@ from conftest import tiny_model
 from pipelines.models import layer_linears
 
 
-def _collect(model, input_ids):
+def _collect(model, input_ids, dtype=None):
     per_layer = []
-    runner = LayerRunner(model, input_ids, batch_size=2)
+    runner = LayerRunner(model, input_ids, batch_size=2, dtype=dtype)
     for index, layer in runner:
         with LayerStatisticsCollector(layer_linears(model, layer), model.config) as collector:
             runner.forward(layer)
@@ -49,6 +49,22 @@ def test_statistics_match_the_inputs_seen_in_a_full_forward():
         k = torch.cat(seen[f"model.layers.{index}.self_attn.q_proj"]) @ model.model.layers[index].self_attn.k_proj.weight.T
         k = torch.nn.functional.normalize(k.view(-1, 2, 16), dim=-1)
         torch.testing.assert_close(tensors["kv.k_cosine"], torch.einsum("thd,tgd->hg", k, k) / k.shape[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_bfloat16_forward_keeps_the_weights_and_approximates_the_statistics(family):
+    """Layers run in bf16 for speed: the model's fp32 weights come back untouched (not cast
+    back and forth), hidden states are held in bf16, and the statistics stay within bf16's
+    precision of the fp32 ones."""
+    model = tiny_model(family)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    input_ids = torch.randint(0, 320, (4, 24), generator=torch.Generator().manual_seed(0))
+    exact, fast = _collect(model, input_ids), _collect(model, input_ids, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[name]) for name, p in model.named_parameters())
+    for (_, tensors, _), (_, approx, _) in zip(exact, fast):
+        for key, value in tensors.items():
+            assert approx[key].dtype == torch.float32
+            assert (approx[key] - value).norm() <= 0.05 * value.norm(), key
 
 
 def test_calibration_data_derives_norms_and_variance(tmp_path):
