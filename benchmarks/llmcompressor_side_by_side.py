@@ -2,12 +2,15 @@
 
     .venv/bin/python benchmarks/llmcompressor_side_by_side.py [--calibration artifacts/calibration]
         [--reference artifacts/reference] [--bits 4,3] [--group-size 64]
+        [--tools llm-compressor,lmpress,lmpress-stored,lmpress-bf16]
 
 llm-compressor is installed by this script into its own environment
 (benchmarks/.venv-llmcompressor, pinned CPU torch 2.13.0, as its transformers and
 compressed-tensors versions differ from lmpress's). Both tools quantize with 4/3-bit symmetric
 group-64 GPTQ, static act-order, damping 0.01, on the calibration artifact's very token
-samples; each run is its own process, timed, with its peak RSS, under the same thread count
+samples (lmpress layer-sequential in fp32 as llm-compressor here; `lmpress-stored` from the
+calibration artifact's stored statistics, which the calibrate stage made once for every later
+stage; `lmpress-bf16` layer-sequential with bf16 layer passes); each run is its own process, timed, with its peak RSS, under the same thread count
 and CPU affinity (run it as `OMP_NUM_THREADS=1 taskset -c 1 ...` to keep other work off its core). Both artifacts are then scored
 by `lmpress evaluate` against the same base reference. Results:
 benchmarks/results/llmcompressor_side_by_side.{json,md}.
@@ -32,7 +35,9 @@ import json, resource, sys, time
 from pathlib import Path
 from pipelines.stages import QuantizeConfig, quantize
 start = time.perf_counter()
-quantize("smollm2-135m", Path(sys.argv[1]), Path(sys.argv[4]), QuantizeConfig(method="gptq", bits=int(sys.argv[2]), group_size=int(sys.argv[3])))
+config = QuantizeConfig(method="gptq", bits=int(sys.argv[2]), group_size=int(sys.argv[3]), sequential=sys.argv[5] != "lmpress-stored",
+                        forward_dtype="bfloat16" if sys.argv[5] == "lmpress-bf16" else "float32")
+quantize("smollm2-135m", Path(sys.argv[1]), Path(sys.argv[4]), config)
 print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
 """
 
@@ -65,6 +70,7 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=ROOT / "artifacts" / "reference")
     parser.add_argument("--bits", default="4,3")
     parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--tools", default="llm-compressor,lmpress,lmpress-stored")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "llmcompressor_side_by_side")
     args = parser.parse_args()
 
@@ -79,13 +85,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp())
     rows = []
     for bits in (int(b) for b in args.bits.split(",")):
-        for tool in ("llm-compressor", "lmpress"):
+        for tool in args.tools.split(","):
             out = work / f"{tool}-w{bits}g{args.group_size}"
             if tool == "llm-compressor":
                 command = [str(python), str(ROOT / "benchmarks" / "llmcompressor_gptq.py"), str(model_folder),
                            str(args.calibration / "samples.safetensors"), str(bits), str(args.group_size), str(out)]
             else:
-                command = [sys.executable, "-c", LMPRESS_RUN, str(args.calibration), str(bits), str(args.group_size), str(out)]
+                command = [sys.executable, "-c", LMPRESS_RUN, str(args.calibration), str(bits), str(args.group_size), str(out), tool]
             cost = run_json(command)
             metrics = evaluate(str(out), args.reference, None, EvaluateConfig(), base="smollm2-135m")
             row = {"tool": tool, "bits": bits, "group_size": args.group_size, **cost, "threads": os.environ.get("OMP_NUM_THREADS", "default"),
