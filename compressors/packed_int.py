@@ -61,7 +61,7 @@ def save_pack_quantized(model: nn.Module, quantized: dict[str, QuantizedLinear],
     )
     modules = dict(model.named_modules())
     for name, q in quantized.items():
-        modules[name].weight.data = q.dequantized().to(modules[name].weight.dtype)
+        modules[name].weight.data.copy_(q.dequantized())
     apply_quantization_config(model, config)
     for name, q in quantized.items():
         module = modules[name]

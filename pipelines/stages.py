@@ -336,7 +336,9 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             results = awq_layer(layer, arch, loaded.config, stats, layer_plan)
         for local, q in results.items():
             module = layer.get_submodule(local)
-            module.weight.data = q.dequantized().to(module.weight.dtype)  # later layers see it
+            # later layers see it; written in place, as the loaded weights are pages of the mmapped
+            # safetensors file that a new tensor would leave resident beside it
+            module.weight.data.copy_(q.dequantized())
             quantized[f"{prefix}.{index}.{local}"] = q
 
     with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
