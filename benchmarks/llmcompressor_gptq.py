@@ -5,7 +5,6 @@ llm-compressor on the given token samples; prints wall time and peak RSS as JSON
 """
 
 import json
-import resource
 import sys
 import time
 
@@ -29,4 +28,6 @@ recipe = GPTQModifier(
 oneshot(model=model, dataset=dataset, recipe=recipe, max_seq_length=input_ids.shape[1], num_calibration_samples=input_ids.shape[0])
 model.save_pretrained(out, save_compressed=True)
 tokenizer.save_pretrained(out)
-print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
+# VmHWM, not ru_maxrss: the latter includes the parent's resident memory at fork (kept across exec)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(peak / 1024)}))

@@ -8,7 +8,8 @@ llm-compressor is installed by this script into its own environment
 (benchmarks/.venv-llmcompressor, pinned CPU torch 2.13.0, as its transformers and
 compressed-tensors versions differ from lmpress's). Both tools quantize with 4/3-bit symmetric
 group-64 GPTQ, static act-order, damping 0.01, on the calibration artifact's very token
-samples (lmpress layer-sequential in fp32 as llm-compressor here; `lmpress-stored` from the
+samples (peak RSS is the child's own VmHWM: getrusage's ru_maxrss would count the
+parent's resident memory at fork, which Linux carries across exec; lmpress layer-sequential in fp32 as llm-compressor here; `lmpress-stored` from the
 calibration artifact's stored statistics, which the calibrate stage made once for every later
 stage; `lmpress-bf16` layer-sequential with bf16 layer passes); each run is its own process, timed, with its peak RSS, under the same thread count
 and CPU affinity (run it as `OMP_NUM_THREADS=1 taskset -c 1 ...` to keep other work off its core). Both artifacts are then scored
@@ -31,14 +32,15 @@ VENV = ROOT / "benchmarks" / ".venv-llmcompressor"
 LLMCOMPRESSOR = "llmcompressor==0.14.0.1"
 CORPORA = ("austen-heldout", "pydoc-heldout")
 LMPRESS_RUN = """
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from pipelines.stages import QuantizeConfig, quantize
 start = time.perf_counter()
 config = QuantizeConfig(method="gptq", bits=int(sys.argv[2]), group_size=int(sys.argv[3]), sequential=sys.argv[5] != "lmpress-stored",
                         forward_dtype="bfloat16" if sys.argv[5] == "lmpress-bf16" else "float32")
 quantize("smollm2-135m", Path(sys.argv[1]), Path(sys.argv[4]), config)
-print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
+from pipelines.artifact import peak_rss_bytes
+print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(peak_rss_bytes() / 2**20)}))
 """
 
 

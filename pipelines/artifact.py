@@ -164,6 +164,16 @@ def model_chain(spec: str, folder: Path, config) -> list[dict]:
     return lineage["chain"] if lineage else [base_record(spec, folder, config)]
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM where /proc has it, since getrusage's
+    ru_maxrss also counts the parent's memory at fork (Linux carries it across exec)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class StageRun:
     """Times a stage and records its peak resident memory, for the record's `run` part."""
 
@@ -173,7 +183,7 @@ class StageRun:
     def info(self) -> dict:
         return {
             "wall_time_s": round(time.perf_counter() - self.start, 3),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss_bytes(),
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(),
         }
