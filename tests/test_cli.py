@@ -111,7 +111,7 @@ def test_calibration_is_byte_identical_for_the_same_seed(tmp_path):
 def _start_calibration(out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "pipelines.cli", "calibrate", "--model", REAL_MODEL, "--out", str(out),
-         "--samples", "16", "--seq-len", "256", "--batch-size", "4"],
+         "--samples", "32", "--seq-len", "256", "--batch-size", "4"],  # long enough to be caught mid-way on a loaded machine
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "LMPRESS_QUIET": "1"},
     )
 
@@ -129,7 +129,7 @@ def _wait_for_layers(out: Path, layers: int, timeout: float = 300):
 def test_interrupted_calibration_leaves_no_artifact_and_reruns(tmp_path, sig):
     out = tmp_path / "cal"
     process = _start_calibration(out)
-    _wait_for_layers(out, 5)
+    _wait_for_layers(out, 2)
     process.send_signal(sig)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
