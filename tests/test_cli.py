@@ -113,6 +113,9 @@ def _start_calibration(out: Path) -> subprocess.Popen:
         [sys.executable, "-m", "pipelines.cli", "calibrate", "--model", REAL_MODEL, "--out", str(out),
          "--samples", "32", "--seq-len", "256", "--batch-size", "4"],  # long enough to be caught mid-way on a loaded machine
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "LMPRESS_QUIET": "1"},
+        # a child inherits an ignored SIGINT (as some test runners leave it), and then Ctrl-C
+        # would be ignored by design; the test is about the default, a user's terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
