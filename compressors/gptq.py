@@ -48,9 +48,10 @@ def gptq_quantize(
     zero = torch.zeros(rows, n_groups)
     static = act_order or n_groups == 1 or codebook is not None
     if codebook is not None:
-        from compressors.squeezellm import CodebookLinear, nearest_entry
+        from compressors.squeezellm import CodebookLinear, entry_boundaries, nearest_entry
 
-        round_column = lambda w, g: nearest_entry(w[:, None], codebook)[:, 0].float()  # noqa: E731
+        boundaries = entry_boundaries(codebook)  # once, not per column
+        round_column = lambda w, g: nearest_entry(w[:, None], codebook, boundaries)[:, 0].float()  # noqa: E731
         value = lambda q, g: codebook.gather(1, q[:, None].long())[:, 0]  # noqa: E731
     else:
         round_column = lambda w, g: quantize(w, scale[:, g], zero[:, g], spec)  # noqa: E731

@@ -53,7 +53,7 @@ def save_lmpress_packed(model: nn.Module, quantized: dict, folder: Path) -> None
     state = dict(model.state_dict())
     modules = {}
     for name, q in quantized.items():
-        rows, columns = q.dequantized().shape
+        rows, columns = (q.codes if isinstance(q, QuantizedLinear) else q.indices).shape
         state[f"{name}.weight_shape"] = torch.tensor([rows, columns])
         if isinstance(q, QuantizedLinear):
             state[f"{name}.weight"] = _pack(q.codes, q.spec.bits)

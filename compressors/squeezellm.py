@@ -85,7 +85,11 @@ def squeezellm_quantize(
     return CodebookLinear(indices.to(torch.uint8), table, bits)
 
 
-def nearest_entry(weight: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest table entry for each weight; table rows sorted ascending."""
-    midpoints = (table[:, 1:] + table[:, :-1]) / 2
-    return torch.searchsorted(midpoints.contiguous(), weight.contiguous())
+def entry_boundaries(table: torch.Tensor) -> torch.Tensor:
+    """Midpoints between consecutive entries of each (ascending) table row."""
+    return ((table[:, 1:] + table[:, :-1]) / 2).contiguous()
+
+
+def nearest_entry(weight: torch.Tensor, table: torch.Tensor, boundaries: torch.Tensor | None = None) -> torch.Tensor:
+    """Index of the nearest table entry for each weight; pass `boundaries` when calling in a loop."""
+    return torch.searchsorted(entry_boundaries(table) if boundaries is None else boundaries, weight.contiguous())
