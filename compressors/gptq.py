@@ -2,17 +2,65 @@
 column's rounding error onto the columns not yet quantized through the inverse Hessian of the
 layer's reconstruction loss ||X W^T - X Q^T||^2, whose Hessian is 2 X^T X.
 
-The whole algorithm is `gptq_quantize`; the Hessian comes from the calibration statistics
-(collected on the already-quantized model's activations when the stage runs layer-sequential).
-The error feedback does not care what the values are: given per-row codebooks (SqueezeLLM's
-tables) instead of a uniform grid, each column is rounded to its row's nearest table entry.
+The column loop (`error_feedback_sweep`) is the one SparseGPT shares (compressors/sparsegpt.py):
+only what a column settles to differs (a grid point, a codebook entry, zero, or a pruned-or-
+rounded value). The Hessian comes from the calibration statistics (collected on the already-
+compressed model's activations when the stage runs layer-sequential).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from compressors.grid import GridSpec, QuantizedLinear, fit_grid, quantize, dequantize
+
+
+def prepared(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 copies of W [out, in] and H [in, in] with never-active inputs made harmless: their
+    weights are zeroed (nothing to reconstruct) and their Hessian diagonal set to 1."""
+    W = weight.detach().float().clone()
+    H = hessian.detach().float().clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    return W, H
+
+
+def inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp * mean(diag H) I)^-1: row i holds the updates that
+    column i's error makes to the columns after it, already scaled for the elimination."""
+    H = H.clone()
+    H.diagonal().add_(damp * H.diagonal().mean())
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+
+def error_feedback_sweep(
+    W: torch.Tensor,
+    Hinv: torch.Tensor,
+    settle: Callable[[torch.Tensor, int, int], torch.Tensor],
+    block_size: int = 128,
+    on_block: Callable[[torch.Tensor, int], None] | None = None,
+) -> None:
+    """Optimal Brain Surgeon one column at a time, in place on W [rows, columns] (columns in
+    processing order). `settle(block, i, column)` gives column `column` (the block's i-th) its
+    final value; the error, scaled by the inverse Hessian, moves onto the later columns: inside
+    the block at once, onto later blocks in one matmul per block. `on_block(block, start)` sees
+    each block before its columns settle (SparseGPT picks its unstructured mask there)."""
+    rows, columns = W.shape
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        block, errors = W[:, start:end].clone(), torch.zeros(rows, end - start)
+        if on_block is not None:
+            on_block(block, start)
+        for i in range(end - start):
+            d = Hinv[start + i, start + i]
+            error = (block[:, i] - settle(block, i, start + i)) / d
+            block[:, i:] -= error[:, None] * Hinv[start + i, start + i : end][None, :]
+            errors[:, i] = error
+        W[:, start:end] = block
+        W[:, end:] -= errors @ Hinv[start:end, end:]
 
 
 def gptq_quantize(
@@ -31,14 +79,9 @@ def gptq_quantize(
     With `act_order` columns are processed by decreasing Hessian diagonal (most salient first);
     groups still cover consecutive *original* columns, so their grids are fitted up front on
     the unquantized weight ("static groups") and the stored layout stays the plain one."""
-    W = weight.detach().float().clone()
-    H = hessian.detach().float().clone()
+    W, H = prepared(weight, hessian)
     rows, columns = W.shape
     width = spec.group_width(columns)
-
-    dead = H.diagonal() == 0  # inputs never active: nothing to reconstruct
-    H[dead, dead] = 1
-    W[:, dead] = 0
 
     # Grids per group, [rows, groups]: fitted up front for static groups and per-channel (one
     # group, whose first column is the first one processed anyway), otherwise when a group's
@@ -61,30 +104,19 @@ def gptq_quantize(
             scale[:, g : g + 1], zero[:, g : g + 1] = fit_grid(W[:, g * width : (g + 1) * width], spec)
     order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(columns)
     W, H = W[:, order], H[order][:, order]
-
-    H.diagonal().add_(damp * H.diagonal().mean())
-    # Upper Cholesky factor of H^-1: row i holds the updates that column i's error makes to
-    # the columns after it, already scaled for the sequential elimination.
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-
     codes = torch.zeros(rows, columns)
+
+    def settle(block, i, position):
+        column = order[position].item()
+        g = column // width
+        if not static and column % width == 0:
+            scale[:, g : g + 1], zero[:, g : g + 1] = fit_grid(block[:, i : i + width], spec)
+        codes[:, position] = round_column(block[:, i], g)
+        return value(codes[:, position], g)
+
     if not static:  # blocks hold whole groups, so a group's grid sees its updated columns
         block_size = max(width, block_size // width * width)
-    for start in range(0, columns, block_size):
-        end = min(start + block_size, columns)
-        block, errors = W[:, start:end].clone(), torch.zeros(rows, end - start)
-        for i in range(end - start):
-            column = order[start + i].item()
-            g = column // width
-            if not static and column % width == 0:
-                scale[:, g : g + 1], zero[:, g : g + 1] = fit_grid(block[:, i : i + width], spec)
-            w = block[:, i]
-            q = round_column(w, g)
-            codes[:, start + i] = q
-            error = (w - value(q, g)) / Hinv[start + i, start + i]
-            block[:, i:] -= error[:, None] * Hinv[start + i, start + i : end][None, :]
-            errors[:, i] = error
-        W[:, end:] -= errors @ Hinv[start:end, end:]
+    error_feedback_sweep(W, inverse_hessian_factor(H, damp), settle, block_size)
 
     codes = codes[:, torch.argsort(order)]
     if codebook is not None:

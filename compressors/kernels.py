@@ -97,14 +97,14 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = weight.columns, weight.rows
         self.bits = weight.bits
-        for name in ("packed", "scale", "zero", "codebook"):
+        for name in ("packed", "scale", "zero", "codebook", "bitmask"):
             self.register_buffer(name, getattr(weight, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._dense: torch.Tensor | None = None
 
     @property
     def weight_packed(self) -> PackedWeight:
-        return PackedWeight(self.packed, self.scale, self.bits, self.in_features, self.zero, self.codebook)
+        return PackedWeight(self.packed, self.scale, self.bits, self.in_features, self.zero, self.codebook, self.bitmask)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -90,8 +90,11 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
 # along K as above (code k of row n at bits [k*b, k*b + b) of the row's words; for b = 3 a
 # code may straddle two words), decoded either on a uniform grid, (code - zero) * scale with
 # scale/zero per (row, group k // group_size), or through a per-row codebook, codebook[n, code]
-# (SqueezeLLM, compressors/codebook.py). Scales are looked up per element, so any group size,
-# per-channel included, and any K work, with no alignment between blocks and groups required.
+# (SqueezeLLM, compressors/squeezellm.py); or plain fp16 values. Any of these may hold only the
+# kept half of a 2:4 sparse weight, located through its bitmask (`pack_sparse24`): the tile
+# decode maps each dense column to its stored one, so the GEMV reads half the weight bytes.
+# Scales are looked up per element, so any group size, per-channel included, and any K work,
+# with no alignment between blocks and groups required.
 
 import os  # noqa: E402
 
@@ -109,62 +112,74 @@ def check_triton_backend(device: torch.device) -> None:
             "transformers/bitsandbytes/triton"
         )
 
-KERNEL_BITS = (2, 3, 4, 8)
+KERNEL_BITS = (2, 3, 4, 8, 16)  # 16: fp16 values (2:4 sparse weights that are not quantized)
 
 
 @triton.jit
-def _weight_tile(packed_ptr, table_ptr, zero_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, group_size,
-                 BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr):
+def _weight_tile(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, stride_bn, group_size,
+                 BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr, SPARSE24: tl.constexpr):
     """Weights [BLOCK_N, BLOCK_K] (fp32) of rows rn and columns rk, zero outside the matrix."""
-    mask = (rn[:, None] < N) & (rk[None, :] < K)
-    position = rk[None, :] * BITS
+    inside = (rn[:, None] < N) & (rk[None, :] < K)
+    column = rk[None, :]  # the stored column holding w[n, k]
+    if SPARSE24:  # 2:4: row n stores the kept values of each group of 4 in order; bit k of its mask says if k is kept
+        byte = tl.load(bitmask_ptr + rn[:, None] * stride_bn + rk[None, :] // 8, mask=inside, other=0).to(tl.int32)
+        nibble = (byte >> (((rk[None, :] // 4) % 2) * 4)) & 15
+        slot = rk[None, :] % 4
+        below = nibble & ((1 << slot) - 1)  # kept slots before this one in its group
+        inside = inside & (((nibble >> slot) & 1) == 1)
+        column = (rk[None, :] // 4) * 2 + (below & 1) + ((below >> 1) & 1) + ((below >> 2) & 1)
+    if BITS == 16:  # fp16 values, stored as they are
+        return tl.load(packed_ptr + rn[:, None] * stride_pn + column, mask=inside, other=0.0).to(tl.float32)
+    position = column * BITS
     offset = position % 32
     row = packed_ptr + rn[:, None] * stride_pn + position // 32
-    word = tl.load(row, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    word = tl.load(row, mask=inside, other=0).to(tl.uint32, bitcast=True)
     code = word >> offset
     if 32 % BITS != 0:  # codes straddling two words take their high bits from the next one
-        spill = mask & (offset + BITS > 32)
+        spill = inside & (offset + BITS > 32)
         high = tl.load(row + 1, mask=spill, other=0).to(tl.uint32, bitcast=True)
         code = code | (high << ((32 - offset) % 32))
     code = (code & ((1 << BITS) - 1)).to(tl.int32)
     if CODEBOOK:
-        value = tl.load(table_ptr + rn[:, None] * stride_tn + code, mask=mask, other=0.0).to(tl.float32)
+        value = tl.load(table_ptr + rn[:, None] * stride_tn + code, mask=inside, other=0.0).to(tl.float32)
     else:
-        group = rk[None, :] // group_size
+        group = column // group_size
         q = (code - (1 << (BITS - 1))).to(tl.float32)
         if HAS_ZERO:
-            q -= tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=mask, other=0).to(tl.float32)
-        value = q * tl.load(table_ptr + rn[:, None] * stride_tn + group, mask=mask, other=0.0).to(tl.float32)
+            q -= tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=inside, other=0).to(tl.float32)
+        value = q * tl.load(table_ptr + rn[:, None] * stride_tn + group, mask=inside, other=0.0).to(tl.float32)
     return value
 
 
 @triton.jit
-def _dequantize_kernel(packed_ptr, table_ptr, zero_ptr, out_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_on, group_size,
-                       BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequantize_kernel(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, out_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_bn, stride_on, group_size,
+                       BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr, SPARSE24: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    w = _weight_tile(packed_ptr, table_ptr, zero_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, group_size, BITS, CODEBOOK, HAS_ZERO)
+    w = _weight_tile(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, stride_bn, group_size,
+                         BITS, CODEBOOK, HAS_ZERO, SPARSE24)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, group_size,
-                 BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_bn, group_size,
+                 BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr, SPARSE24: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Batch 1 (decode): y[n] = sum_k x[k] w[n, k]; bound by reading the packed weights once."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-        w = _weight_tile(packed_ptr, table_ptr, zero_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, group_size, BITS, CODEBOOK, HAS_ZERO)
+        w = _weight_tile(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, stride_bn, group_size,
+                         BITS, CODEBOOK, HAS_ZERO, SPARSE24)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_ym, group_size,
-                 BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr,
+def _gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_bn, stride_ym, group_size,
+                 BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr, SPARSE24: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Batches > 1: y[M, N] = x[M, K] @ w[N, K]^T, dequantizing each weight tile once per M block."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -173,52 +188,102 @@ def _gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, M, N, K, stride_
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        w = _weight_tile(packed_ptr, table_ptr, zero_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, group_size, BITS, CODEBOOK, HAS_ZERO)
+        w = _weight_tile(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, stride_bn, group_size,
+                         BITS, CODEBOOK, HAS_ZERO, SPARSE24)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """One linear's packed weight as stored: codes packed along K, decoded with fp16 scales
+    """One linear's weight [N, K] as stored: codes packed along K, decoded with fp16 scales
     [N, groups] (and int zero points [N, groups] for asymmetric grids) or, for codebook
-    weights, a per-row fp16 codebook [N, 2^bits] (scale None)."""
+    weights, a per-row fp16 codebook [N, 2^bits] (scale None); bits 16: fp16 values as they
+    are. With a `bitmask` the weight is 2:4 sparse and only its kept half is stored (see
+    `pack_sparse24`): K / 2 stored columns, groups counted over those."""
 
-    packed: torch.Tensor  # int32 [N, ceil(K * bits / 32)]
+    packed: torch.Tensor  # int32 [N, ceil(stored * bits / 32)], or fp16 [N, stored] for bits 16
     scale: torch.Tensor | None  # [N, groups]
     bits: int
     columns: int  # K
     zero: torch.Tensor | None = None  # [N, groups], in code units: w = (q - zero) * scale
     codebook: torch.Tensor | None = None  # [N, 2^bits]
+    bitmask: torch.Tensor | None = None  # uint8 [N, ceil(K / 8)]: 2:4 sparse
+
+    @property
+    def stored_columns(self) -> int:
+        return self.columns // 2 if self.bitmask is not None else self.columns
 
     @property
     def group_size(self) -> int | None:
-        return None if self.codebook is not None else self.columns // self.scale.shape[1]
+        """In stored columns (a 2:4 weight's group of G inputs holds G / 2 stored values)."""
+        return None if self.scale is None else self.stored_columns // self.scale.shape[1]
 
     @property
     def rows(self) -> int:
         return self.packed.shape[0]
 
+    @property
+    def kind(self) -> str:
+        base = "fp16" if self.bits == 16 else "codebook" if self.codebook is not None else "asymmetric" if self.zero is not None else "symmetric"
+        return f"2:4 {base}" if self.bitmask is not None else base
+
     def to(self, device) -> "PackedWeight":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return PackedWeight(move(self.packed), move(self.scale), self.bits, self.columns, move(self.zero), move(self.codebook))
+        return PackedWeight(
+            move(self.packed), move(self.scale), self.bits, self.columns, move(self.zero), move(self.codebook), move(self.bitmask),
+        )
 
     def _kernel_args(self) -> tuple:
-        table = self.codebook if self.codebook is not None else self.scale
+        table = self.codebook if self.codebook is not None else self.scale if self.scale is not None else self.packed
         zero = self.zero if self.zero is not None else table  # an unused pointer still needs a tensor
-        return (self.packed, table, zero), (self.packed.stride(0), table.stride(0), zero.stride(0)), dict(
+        bitmask = self.bitmask if self.bitmask is not None else table
+        tensors = (self.packed, table, zero, bitmask)
+        return tensors, tuple(t.stride(0) for t in tensors), dict(
             group_size=self.group_size or 1, BITS=self.bits, CODEBOOK=self.codebook is not None, HAS_ZERO=self.zero is not None,
+            SPARSE24=self.bitmask is not None,
         )
+
+
+def pack_sparse24(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """compressed-tensors' sparse-24-bitmask layout: the kept entries of each row in column
+    order, [N, K / 2], and the mask packed 8 columns a byte, least significant bit first
+    (numpy.packbits(..., bitorder="little")), [N, ceil(K / 8)]. `keep` must hold exactly 2 of
+    every 4 columns. `values` may be weights or integer codes."""
+    rows, columns = keep.shape
+    require(
+        columns % 4 == 0 and bool((keep.reshape(rows, -1, 4).sum(dim=2) == 2).all()),
+        "a 2:4 weight keeps exactly 2 of every 4 inputs; prune it with --pattern 2:4 first",
+    )
+    padded = torch.nn.functional.pad(keep, (0, -columns % 8)).reshape(rows, -1, 8).to(torch.int32)
+    bitmask = (padded << torch.arange(8, dtype=torch.int32)).sum(dim=2).to(torch.uint8)
+    return values[keep].reshape(rows, columns // 2), bitmask
+
+
+def unpack_bitmask(bitmask: torch.Tensor, columns: int) -> torch.Tensor:
+    """Torch reference: the keep mask [N, K] from its packed bytes."""
+    bits = (bitmask.to(torch.int32)[:, :, None] >> torch.arange(8, dtype=torch.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :columns].bool()
 
 
 def dequantize_reference(weight: PackedWeight) -> torch.Tensor:
     """Torch reference: fp32 weights [N, K]."""
-    codes = unpack_int32(weight.packed.cpu(), weight.bits, weight.columns).to(weight.packed.device).long()
-    if weight.codebook is not None:
-        return torch.gather(weight.codebook.float(), 1, codes + (1 << (weight.bits - 1)))
-    expand = lambda t: t.float().repeat_interleave(weight.group_size, dim=1)  # noqa: E731
-    zero = expand(weight.zero) if weight.zero is not None else 0.0
-    return (codes.float() - zero) * expand(weight.scale)
+    stored = weight.stored_columns
+    if weight.bits == 16:
+        values = weight.packed.float()
+    else:
+        codes = unpack_int32(weight.packed.cpu(), weight.bits, stored).to(weight.packed.device).long()
+        if weight.codebook is not None:
+            values = torch.gather(weight.codebook.float(), 1, codes + (1 << (weight.bits - 1)))
+        else:
+            expand = lambda t: t.float().repeat_interleave(weight.group_size, dim=1)  # noqa: E731
+            zero = expand(weight.zero) if weight.zero is not None else 0.0
+            values = (codes.float() - zero) * expand(weight.scale)
+    if weight.bitmask is None:
+        return values
+    dense = torch.zeros(weight.rows, weight.columns, device=values.device)
+    dense[unpack_bitmask(weight.bitmask, weight.columns)] = values.flatten()
+    return dense
 
 
 def matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
