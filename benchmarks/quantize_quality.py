@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
+from benchmarks._report import flatten as _flatten, write_quality_table  # noqa: E402
 from pipelines.stages import EvaluateConfig, QuantizeConfig, evaluate, quantize  # noqa: E402
 
 DEFAULT_RUNS = "rtn:4:64,gptq:4:64,awq:4:64,nf4,rtn:3:64,gptq:3:64,awq:3:64"
-CORPORA = ("austen-heldout", "pydoc-heldout")
 
 
 def main() -> None:
@@ -60,28 +60,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     rows[0]["peak_rss_mb_all_runs"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
-    header = "| run | bits/weight | " + " | ".join(f"{c} ppl | {c} KL | {c} top-1" for c in CORPORA) + " | quantize s |"
-    lines = [header, "|" + "---|" * (3 * len(CORPORA) + 3)]
-    for row in rows:
-        cells = [row["run"], str(row["bits_per_weight"])]
-        for corpus in CORPORA:
-            cells += [f"{row[f'{corpus}.perplexity']:.2f}", f"{row[f'{corpus}.kl_to_base']:.4f}", f"{row[f'{corpus}.top1_agreement']:.3f}"]
-        cells.append(str(row.get("quantize_s", "")))
-        lines.append("| " + " | ".join(cells) + " |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-def _flatten(metrics: dict) -> dict:
-    flat = {}
-    for key, value in metrics.items():
-        if isinstance(value, dict):
-            flat.update({f"{key}.{sub}": subvalue for sub, subvalue in value.items()})
-        else:
-            flat[key] = value
-    return flat
+    print(write_quality_table(rows, args.out, "bits_per_weight", ("quantize_s",)))
 
 
 if __name__ == "__main__":

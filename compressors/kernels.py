@@ -36,7 +36,7 @@ class Kernel:
 KERNELS = [
     Kernel(
         name="triton-packed-matmul",
-        format="pack-quantized, lmpress-packed",
+        format="pack-quantized, lmpress-packed (grids, codebooks, 2:4 sparse)",
         supports=lambda weight: weight.bits in KERNEL_BITS,
         run=packed_int.matmul_triton,
         reference=packed_int.matmul_reference,
@@ -54,8 +54,10 @@ def triton_runs_on(device: torch.device) -> bool:
 
 def _self_check_weights(device: torch.device) -> list[PackedWeight]:
     """Small weights of each decoding path: 4-bit symmetric, 3-bit asymmetric (codes straddle
-    words), 3-bit codebook."""
+    words), 3-bit codebook, and 2:4 sparse with fp16 or 4-bit values."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from compressors.packed_int import pack_sparse24
 
     generator = torch.Generator().manual_seed(0)
     codes = lambda bits: pack_to_int32(torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (48, 80), generator=generator, dtype=torch.int8), bits)  # noqa: E731
@@ -65,6 +67,10 @@ def _self_check_weights(device: torch.device) -> list[PackedWeight]:
         PackedWeight(codes(3), scale(), 3, 80, torch.randint(-2, 2, (48, 2), generator=generator, dtype=torch.int8)),
         PackedWeight(codes(3), None, 3, 80, codebook=torch.randn(48, 8, generator=generator).half() / 50),
     ]
+    keep = torch.rand(48, 20, 4, generator=generator).argsort(dim=2) < 2  # 2 of every 4, at random
+    values, bitmask = pack_sparse24(torch.randn(48, 80, generator=generator).half(), keep.reshape(48, 80))
+    weights.append(PackedWeight(values, None, 16, 80, bitmask=bitmask))
+    weights.append(PackedWeight(codes(4)[:, :5], scale()[:, :1], 4, 80, bitmask=bitmask))
     return [weight.to(device) for weight in weights]
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelines.errors import require
+from pipelines.errors import LmpressError, require
 
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
 
@@ -30,6 +30,11 @@ class SparsityPattern:
     def structured(self) -> bool:
         return self.m > 0
 
+    @property
+    def is_24(self) -> bool:
+        """The pattern sparse tensor cores (and lmpress's 2:4 format) serve."""
+        return (self.n, self.m) == (2, 4)
+
     def __str__(self) -> str:
         return f"{self.n}:{self.m}" if self.structured else f"{self.sparsity:g}"
 
@@ -40,20 +45,24 @@ class SparsityPattern:
         )
 
 
-def parse_pattern(sparsity: float | None = None, pattern: str | None = None) -> SparsityPattern:
-    """--sparsity 0.5 (unstructured) or --pattern 2:4 (N:M), exactly one of them."""
-    require((sparsity is None) != (not pattern), "pass either --sparsity (unstructured, e.g. 0.5) or --pattern (N:M, e.g. 2:4)")
-    if pattern:
-        parts = str(pattern).split(":")
+def parse_pattern(text: str | float) -> SparsityPattern:
+    """'2:4' / '4:8' (N:M: N kept in every M) or a ratio such as '0.5' (unstructured)."""
+    text = str(text).strip()
+    if ":" in text:
+        parts = text.split(":")
         require(
             len(parts) == 2 and all(p.strip().isdigit() for p in parts),
-            f"pattern must look like N:M, e.g. 2:4 or 4:8 (got '{pattern}')",
+            f"pattern must look like N:M, e.g. 2:4 or 4:8 (got '{text}')",
         )
         n, m = (int(p) for p in parts)
-        require(0 < n < m, f"pattern {pattern}: N must be at least 1 and below M (2:4 keeps 2 weights of every 4)")
+        require(0 < n < m, f"pattern {text}: N must be at least 1 and below M (2:4 keeps 2 weights of every 4)")
         return SparsityPattern(1 - n / m, n, m)
-    require(0 <= sparsity < 1, f"sparsity must be in [0, 1) (got {sparsity}); 0.5 zeroes half the weights")
-    return SparsityPattern(float(sparsity))
+    try:
+        sparsity = float(text)
+    except ValueError:
+        raise LmpressError(f"sparsity must be a ratio like 0.5 or a pattern like 2:4 (got '{text}')") from None
+    require(0 <= sparsity < 1, f"sparsity must be in [0, 1) (got {text}); 0.5 zeroes half the weights")
+    return SparsityPattern(sparsity)
 
 
 def keep_mask(score: torch.Tensor, pattern: SparsityPattern) -> torch.Tensor:

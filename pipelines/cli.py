@@ -118,6 +118,42 @@ def quantize(
 
 
 @app.command()
+def prune(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the pruned model; replaced only when complete."),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (needed by wanda, sparsegpt and --refine)."),
+    method: str = typer.Option("wanda", help="magnitude (|W|, the baseline), wanda (|W| x input norm) or sparsegpt (Hessian-based reconstruction of the kept weights)."),
+    sparsity: Optional[float] = typer.Option(None, help="Unstructured: share of each linear's weights set to zero, in [0, 1), e.g. 0.5."),
+    pattern: Optional[str] = typer.Option(None, help="N:M: keep N of every M consecutive inputs, e.g. 2:4 (served compressed) or 4:8. Default 2:4."),
+    refine: bool = typer.Option(False, "--refine", help="Refine the masks without training: swap pruned and kept weights while that lowers the layer's reconstruction error."),
+    refine_cycles: int = typer.Option(50, "--refine-cycles", help="Swap rounds per linear for --refine."),
+    bits: int = typer.Option(0, help="sparsegpt: also quantize the kept weights (2, 3, 4 or 8 bits); 0 keeps them in floating point."),
+    group_size: int = typer.Option(64, "--group-size", help="With --bits: input columns sharing one scale (32, 64, 128 or -1)."),
+    symmetric: Switch = typer.Option(Switch.true, help="With --bits: symmetric grid (zero point 0)."),
+    damp: float = typer.Option(0.01, help="sparsegpt: dampening added to the Hessian diagonal, as a fraction of its mean."),
+    sequential: Switch = typer.Option(
+        Switch.true, help="Re-collect each layer's statistics on the already-pruned model (slower, better) instead of using the stored ones.",
+    ),
+    forward_dtype: str = typer.Option("float32", "--forward-dtype", help="Sequential mode: dtype of the layer passes, float32 or bfloat16."),
+    skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'down_proj'."),
+    overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to a pattern (\"4:8\") or a sparsity (0.6): the per-layer plan."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Calibration windows per forward pass."),
+):
+    """Prune the decoder's linears: a dense-with-zeros model any loader opens, plus the compressed 2:4 form lmpress serves."""
+    from pipelines.stages import PruneConfig, prune as run
+
+    if sparsity is not None and pattern is not None:
+        raise LmpressError("pass either --sparsity (unstructured, e.g. 0.5) or --pattern (N:M, e.g. 2:4), not both")
+    config = PruneConfig(
+        method=method, pattern=pattern if pattern is not None else str(sparsity) if sparsity is not None else "2:4", refine=refine,
+        refine_cycles=refine_cycles, bits=bits, group_size=group_size, symmetric=bool(symmetric), damp=damp,
+        sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides, batch_size=batch_size,
+    )
+    path = run(model, calibration, out, config)
+    out_console.print(f"pruned model written to {path}", markup=False, highlight=False)
+
+
+@app.command()
 def validate(
     artifact: Path = typer.Argument(..., help="A quantized (pack-quantized) artifact."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the report (default: ARTIFACT/validation.json)."),

@@ -126,8 +126,7 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     if not gpu:
         representatives = {}
         for name, weight in weights.items():
-            kind = "codebook" if weight.codebook is not None else "asymmetric" if weight.zero is not None else "symmetric"
-            representatives.setdefault((weight.rows, weight.columns, weight.bits, weight.group_size, kind), name)
+            representatives.setdefault((weight.rows, weight.columns, weight.bits, weight.group_size, weight.kind), name)
         weights = {name: weights[name] for name in representatives.values()}
     generator = torch.Generator().manual_seed(0)
     layers, used = {}, set()
@@ -141,7 +140,8 @@ def validate(folder: Path, out: Path | None = None) -> dict:
         weight = weight.to(device)
         entry = {
             "kernel": kernel.name, "shape": [weight.rows, weight.columns], "bits": weight.bits,
-            "decode": "codebook" if weight.codebook is not None else f"grid, group {weight.group_size}", "max_abs_error": {}, "max_rel_error": {},
+            "decode": weight.kind + (f", group {weight.group_size} stored values" if weight.scale is not None else ""),
+            "max_abs_error": {}, "max_rel_error": {},
         }
         dense = kernel.reference(torch.eye(weight.columns, device=device, dtype=dtype), weight).T.contiguous() if gpu else None
         for batch in BATCHES:

@@ -4,6 +4,7 @@ lineage manifest."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -185,6 +186,54 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
         write_json(tmp / "manifest.json", {**manifest, "corpora": corpora})
 
 
+# --------------------------------------------------------------------------- layer walk
+
+
+def walk_layers(loaded, calib, config, process, advance) -> None:
+    """Call `process(index, layer, statistics)` for every decoder layer, in order. With
+    `config.sequential` the statistics are collected by the layer runner on the model as
+    compressed so far (each layer sees the already-compressed layers' outputs, the way GPTQ,
+    SparseGPT and Wanda run); otherwise they are the calibration artifact's stored ones, of
+    the uncompressed model (no forward passes). Without `calib` no statistics are needed."""
+    if calib is not None and config.sequential:
+        runner = LayerRunner(
+            loaded.model, calib.input_ids, config.batch_size, on_layer_done=lambda _: advance(), dtype=FORWARD_DTYPES[config.forward_dtype],
+        )
+        for index, layer in runner:
+            with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
+                runner.forward(layer, propagate=False)
+            process(index, layer, collector.statistics())
+        return
+    for index, layer in enumerate(decoder_layers(loaded.model)):
+        process(index, layer, calib.layer(index) if calib is not None else {})
+        advance()
+
+
+def require_calibration(calibration: Path | None, method: str, needed: bool) -> None:
+    require(calibration is not None or not needed, f"method {method} needs --calibration (run `lmpress calibrate`)")
+
+
+def open_calibration(calibration: Path | None, chain: list[dict]):
+    """The calibration artifact, checked to belong to this model's base; None when not given."""
+    from calibrate.stats import CalibrationData
+
+    if calibration is None:
+        return None
+    calib = CalibrationData(calibration)
+    calib.check_model(chain[0]["weights_sha256"])
+    return calib
+
+
+def calibration_record(calib) -> dict:
+    """What a stage's lineage records about the calibration data it used."""
+    if calib is None:
+        return {}
+    return {
+        "seed": calib.manifest["seed"],
+        "calibration": {key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents")},
+    }
+
+
 # --------------------------------------------------------------------------- quantize
 
 CODEBOOK_METHODS = ("squeezellm", "squeezellm-gptq")
@@ -283,7 +332,6 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     walking the model layer by layer so each layer sees the already-quantized inputs, or from
     the stored statistics) and write a compressed-tensors artifact, or an lmpress-packed one for
     codebooks and asymmetric grids."""
-    from calibrate.stats import CalibrationData
     from compressors.awq import awq_layer
     from compressors.gptq import gptq_quantize
     from compressors.grid import round_to_nearest
@@ -294,14 +342,11 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
 
     config.validate()
     require_directory_target(out)
-    needs_calibration = config.method in CALIBRATED_METHODS
-    require(calibration is not None or not needs_calibration, f"method {config.method} needs --calibration (run `lmpress calibrate`)")
+    require_calibration(calibration, config.method, config.method in CALIBRATED_METHODS)
     run = StageRun()
     loaded = load_model(model)
     chain = model_chain(model, loaded.folder, loaded.config)
-    calib = CalibrationData(calibration) if calibration is not None else None
-    if calib is not None:
-        calib.check_model(chain[0]["weights_sha256"])
+    calib = open_calibration(calibration, chain)
     overrides = load_overrides(config.overrides)
     plan = quantization_plan(loaded.model, config, overrides)
     arch = architecture_of(loaded.config)
@@ -342,18 +387,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             quantized[f"{prefix}.{index}.{local}"] = q
 
     with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
-        if config.method != "rtn" and config.sequential:
-            runner = LayerRunner(
-                loaded.model, calib.input_ids, config.batch_size, on_layer_done=lambda _: advance(), dtype=FORWARD_DTYPES[config.forward_dtype],
-            )
-            for index, layer in runner:
-                with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
-                    runner.forward(layer, propagate=False)
-                quantize_layer(index, layer, collector.statistics())
-        else:  # RTN, or the stored statistics of the unquantized model (no forward passes)
-            for index, layer in enumerate(decoder_layers(loaded.model)):
-                quantize_layer(index, layer, calib.layer(index) if config.method != "rtn" else {})
-                advance()
+        walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance)
         if config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):
             save_lmpress_packed(loaded.model, quantized, tmp)  # what compressed-tensors cannot carry
         else:
@@ -361,10 +395,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         loaded.tokenizer.save_pretrained(tmp)
         bundle_kernels(tmp)
         validate(tmp)
-        record = {"stage": "quantize", "params": asdict(config), "overrides": overrides}
-        if calib is not None:
-            record["seed"] = calib.manifest["seed"]
-            record["calibration"] = {key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents")}
+        record = {"stage": "quantize", "params": asdict(config), "overrides": overrides, **calibration_record(calib)}
         write_lineage(tmp, chain, record, run)
     return Path(out)
 
@@ -382,3 +413,152 @@ def _quantize_bitsandbytes(loaded, plan: dict, method: str, folder: Path) -> Non
     model = AutoModelForCausalLM.from_pretrained(loaded.folder, quantization_config=bnb, dtype=torch.float32)
     model.save_pretrained(folder)
     loaded.tokenizer.save_pretrained(folder)
+
+
+# --------------------------------------------------------------------------- prune
+
+PRUNE_REPORT = "pruning.json"
+COMPRESSED_FOLDER = "compressed"  # the served form inside a pruning artifact
+
+
+@dataclass
+class PruneConfig:
+    method: str = "wanda"  # magnitude | wanda | sparsegpt
+    pattern: str = "2:4"  # N:M, or a ratio such as 0.5 for unstructured sparsity
+    refine: bool = False  # swap pruned/kept weights to lower the reconstruction error (DSnoT-style)
+    refine_cycles: int = 50
+    bits: int = 0  # sparsegpt: also quantize the kept weights to this many bits (0: keep them fp)
+    group_size: int = 64
+    symmetric: bool = True
+    damp: float = 0.01
+    sequential: bool = True
+    forward_dtype: str = "float32"
+    skip: str = ""  # comma-separated regexes of linear names left dense
+    overrides: str = ""  # YAML file: {regex of linear names: pattern, e.g. "4:8" or 0.6}
+    batch_size: int = 8
+
+    def validate(self) -> None:
+        from compressors.sparsity import PRUNE_METHODS, parse_pattern
+
+        require(self.method in PRUNE_METHODS, f"unknown pruning method '{self.method}'; use one of {', '.join(PRUNE_METHODS)}")
+        parse_pattern(self.pattern)
+        require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+        require(self.refine_cycles > 0, f"refine cycles must be positive (got {self.refine_cycles})")
+        require(self.bits == 0 or self.method == "sparsegpt", "only sparsegpt quantizes while pruning; pass --bits 0, or quantize afterwards")
+        require(
+            not (self.refine and self.bits),
+            "--refine changes the mask after pruning, which a joint quantization cannot follow; prune with --refine, then quantize",
+        )
+        if self.bits:
+            self.grid()
+        require_positive(batch_size=self.batch_size)
+        require(self.forward_dtype in FORWARD_DTYPES, f"forward dtype must be float32 or bfloat16 (got '{self.forward_dtype}')")
+
+    def grid(self):
+        from compressors.grid import GridSpec
+
+        return GridSpec(self.bits, self.group_size, self.symmetric) if self.bits else None
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method != "magnitude" or self.refine
+
+
+def pruning_plan(model, config: PruneConfig, overrides: dict) -> dict:
+    """Full linear name -> SparsityPattern: the default, then overrides (first matching regex
+    wins), minus skipped linears; each pattern checked against its linear's input width."""
+    import re
+
+    from compressors.sparsity import parse_pattern
+
+    skips = [pattern.strip() for pattern in config.skip.split(",") if pattern.strip()]
+    prefix = architecture_of(model.config).layers
+    plan = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        for local, module in layer_linears(model, layer).items():
+            name = f"{prefix}.{index}.{local}"
+            if any(re.search(pattern, name) for pattern in skips):
+                continue
+            pattern = parse_pattern(next((value for regex, value in overrides.items() if re.fullmatch(regex, name)), config.pattern))
+            pattern.check_width(module.in_features, name)
+            if config.bits:
+                config.grid().check_width(module.in_features, name)
+            plan[name] = pattern
+    return plan
+
+
+def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) -> Path:
+    """Prune every decoder linear (magnitude; Wanda or SparseGPT from the calibration data,
+    layer-sequential or from the stored statistics), optionally refine the masks, and write
+    the dense-with-zeros model (any loader opens it) plus, where a linear is 2:4 sparse or
+    quantized, the compressed form lmpress serves with its kernels in `compressed/`."""
+    from compressors.lmpress_format import save_lmpress_packed
+    from compressors.sparsegpt import PrunedLinear, sparsegpt_prune
+    from compressors.sparsity import keep_mask, magnitude_score, reconstruction_error, refine_mask, wanda_score
+    from pipelines.serving import bundle_kernels, validate
+
+    config.validate()
+    require_directory_target(out)
+    require_calibration(calibration, config.method if not config.refine else f"{config.method} --refine", config.needs_calibration)
+    run = StageRun()
+    loaded = load_model(model)
+    chain = model_chain(model, loaded.folder, loaded.config)
+    calib = open_calibration(calibration, chain)
+    overrides = load_overrides(config.overrides)
+    plan = pruning_plan(loaded.model, config, overrides)
+    require(bool(plan), "nothing to prune: every linear was skipped")
+    prefix = architecture_of(loaded.config).layers
+    pruned, report = {}, {}
+
+    def prune_layer(index, layer, stats):
+        for local in architecture_of(loaded.config).linears:
+            name = f"{prefix}.{index}.{local}"
+            if name not in plan:
+                continue
+            pattern, weight = plan[name], layer.get_submodule(local).weight.data
+            if config.method == "sparsegpt":
+                result = sparsegpt_prune(weight, stats[local].second_moment, pattern, config.damp, grid=config.grid())
+            else:
+                score = magnitude_score(weight) if config.method == "magnitude" else wanda_score(weight, stats[local].second_moment)
+                keep = keep_mask(score, pattern)
+                result = PrunedLinear(weight.float() * keep, keep)
+            entry = {"pattern": str(pattern), "weights": result.keep.numel(), "zeros": int((~result.keep).sum())}
+            if local in stats:  # the calibration objective E||(W - W')x||^2, summed over output rows
+                entry["objective"] = reconstruction_error(weight, result.weight, stats[local].second_moment).sum().item()
+            if config.refine:
+                refined, keep = refine_mask(weight, result.weight, result.keep, stats[local].second_moment, pattern, config.refine_cycles)
+                result = PrunedLinear(refined, keep)
+                entry["refined_objective"] = reconstruction_error(weight, refined, stats[local].second_moment).sum().item()
+            weight.copy_(result.weight)  # in place: later layers see it (see quantize)
+            pruned[name], report[name] = result, entry
+
+    # magnitude needs none, but reports its objective when stored statistics are at hand
+    needs_statistics = config.needs_calibration or (calib is not None and not config.sequential)
+    with atomic_directory(out) as tmp, progress_bar(f"prune ({config.method})", loaded.config.num_hidden_layers) as advance:
+        walk_layers(loaded, calib if needs_statistics else None, config, prune_layer, advance)
+        pruning_s = time.perf_counter() - run.start
+        record = {"stage": "prune", "params": asdict(config), "overrides": overrides, **calibration_record(calib)}
+        write_json(tmp / PRUNE_REPORT, {"linears": report, **_pruning_summary(report), "load_and_prune_s": round(pruning_s, 1)})
+        # served compressed: 2:4 linears (their kept half, fp16 or quantized), other quantized ones as grids
+        served = {name: result if plan[name].is_24 else result.quantized for name, result in pruned.items()}
+        compressed = {name: form for name, form in served.items() if form is not None}
+        if compressed:
+            target = tmp / COMPRESSED_FOLDER
+            save_lmpress_packed(loaded.model, compressed, target)
+            loaded.tokenizer.save_pretrained(target)
+            bundle_kernels(target)
+            validate(target)
+            write_lineage(target, chain, record, run)
+        loaded.model.save_pretrained(tmp)  # dense with zeros (dequantized values where quantized)
+        loaded.tokenizer.save_pretrained(tmp)
+        write_lineage(tmp, chain, record, run)
+    return Path(out)
+
+
+def _pruning_summary(report: dict) -> dict:
+    entries = report.values()
+    summary = {"sparsity": round(sum(e["zeros"] for e in entries) / sum(e["weights"] for e in entries), 6)}
+    for key in ("objective", "refined_objective"):
+        if all(key in e for e in entries):
+            summary[key] = sum(e[key] for e in entries)
+    return summary

@@ -8,13 +8,21 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from compressors.kernels import KERNELS, PackedLinear, select_kernel, self_check
-from compressors.packed_int import PackedWeight, dequantize_reference, dequantize_triton, matmul_reference, matmul_triton
+from compressors.packed_int import PackedWeight, dequantize_reference, pack_sparse24, unpack_bitmask, dequantize_triton, matmul_reference, matmul_triton
 from conftest import run_cli
 
 
 def packed(bits, rows, columns, group, kind="symmetric", seed=0):
-    """A random packed weight: `kind` symmetric or asymmetric grid (group scales), or codebook."""
+    """A random packed weight: `kind` symmetric or asymmetric grid (group scales), codebook, or
+    "2:4 <kind>": a random 2-of-4 mask whose kept half is stored fp16 (bits 16) or on a grid."""
     g = torch.Generator().manual_seed(seed)
+    if kind.startswith("2:4"):
+        keep = (torch.rand(rows, columns // 4, 4, generator=g).argsort(dim=2) < 2).reshape(rows, columns)
+        values, bitmask = pack_sparse24(torch.randn(rows, columns, generator=g).half(), keep)
+        if bits == 16:
+            return PackedWeight(values, None, 16, columns, bitmask=bitmask)
+        kept = packed(bits, rows, columns // 2, group // 2, kind.split()[1], seed + 1)  # the grid over the stored half
+        return PackedWeight(kept.packed, kept.scale, bits, columns, kept.zero, bitmask=bitmask)
     codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (rows, columns), generator=g, dtype=torch.int8)
     if kind == "codebook":
         return PackedWeight(pack_to_int32(codes, bits), None, bits, columns, codebook=(torch.randn(rows, 1 << bits, generator=g) / 50).half())
@@ -27,6 +35,8 @@ SHAPES = [  # bits, N, K, group, decode: K off the 64-column block, per-channel,
     (4, 96, 160, 32, "symmetric"), (4, 1, 128, 64, "symmetric"), (8, 40, 100, 100, "symmetric"), (2, 64, 96, 32, "symmetric"),
     (4, 130, 64, 64, "symmetric"), (3, 72, 100, 50, "symmetric"), (3, 33, 96, 32, "asymmetric"), (8, 20, 64, 32, "asymmetric"),
     (3, 70, 100, None, "codebook"), (4, 1, 160, None, "codebook"), (2, 17, 64, None, "codebook"),
+    # 2:4 sparse: K = 100 ends in half a mask byte; fp16 values, 4-bit grids over the kept half
+    (16, 50, 100, None, "2:4 fp16"), (16, 1, 64, None, "2:4 fp16"), (4, 40, 160, 32, "2:4 symmetric"), (4, 33, 128, 64, "2:4 asymmetric"),
 ]
 
 
@@ -54,6 +64,24 @@ def test_references_decode_the_codes():
     assert dequantize_reference(codebook).tolist() == [[0.0, 1.75, 1.0, 0.75, 1.5]]  # index = code + 4
     grid = PackedWeight(pack_to_int32(codes, 3), torch.tensor([[0.5]]).half(), 3, 5, torch.tensor([[1]], dtype=torch.int8))
     assert dequantize_reference(grid).tolist() == [[-2.5, 1.0, -0.5, -1.0, 0.5]]  # (q - zero) * scale
+
+
+def test_sparse24_layout_is_compressed_tensors_bitmask():
+    """Kept values row by row in column order, the mask packed like numpy.packbits(little)."""
+    import numpy
+
+    from pipelines.errors import LmpressError
+
+    g = torch.Generator().manual_seed(0)
+    keep = (torch.rand(6, 5, 4, generator=g).argsort(dim=2) < 2).reshape(6, 20)
+    w = torch.randn(6, 20, generator=g)
+    values, bitmask = pack_sparse24(w, keep)
+    assert numpy.array_equal(bitmask.numpy(), numpy.packbits(keep.numpy(), axis=-1, bitorder="little"))
+    assert torch.equal(unpack_bitmask(bitmask, 20), keep) and torch.equal(values, w[keep].reshape(6, 10))
+    sparse = PackedWeight(values.half(), None, 16, 20, bitmask=bitmask)
+    assert torch.equal(dequantize_reference(sparse), (w * keep).half().float())
+    with pytest.raises(LmpressError, match="keeps exactly 2 of every 4"):
+        pack_sparse24(w, torch.ones_like(keep))
 
 
 def test_self_check_and_selection():

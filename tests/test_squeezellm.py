@@ -100,7 +100,7 @@ def test_squeezellm_artifact_round_trips_and_serves(tmp_path, tiny_folder, tiny_
                      "--sequential", "false", "--skip", "lm_head,layers\\.3\\.mlp\\.down", "--out", out)
     assert result.returncode == 0, result.stderr
     settings = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert settings["quant_method"] == "lmpress" and settings["modules"]["model.layers.0.mlp.up_proj"] == {"kind": "codebook", "bits": 3}
+    assert settings["quant_method"] == "lmpress" and settings["modules"]["model.layers.0.mlp.up_proj"] == {"bits": 3, "decode": "codebook", "sparse24": False}
     assert "model.layers.3.mlp.down_proj" not in settings["modules"]
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
         AutoModelForCausalLM.from_pretrained(out)
@@ -140,7 +140,7 @@ def test_asymmetric_grid_goes_to_the_lmpress_format(tmp_path, tiny_folder):
     result = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--bits", "3", "--group-size", "32", "--symmetric", "false", "--out", out)
     assert result.returncode == 0, result.stderr
     modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules"]
-    assert modules["model.layers.1.self_attn.q_proj"] == {"kind": "int", "bits": 3, "group_size": 32, "symmetric": False}
+    assert modules["model.layers.1.self_attn.q_proj"] == {"bits": 3, "decode": "grid", "group_size": 32, "symmetric": False, "sparse24": False}
     reference = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
     for name in modules:
         module = reference.get_submodule(name)

@@ -1,0 +1,35 @@
+"""What the quality benchmarks share: flattening stage metrics and the markdown table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPORA = ("austen-heldout", "pydoc-heldout")
+
+
+def flatten(metrics: dict) -> dict:
+    flat = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{sub}": subvalue for sub, subvalue in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def write_quality_table(rows: list[dict], out: Path, first: str, extra: tuple[str, ...]) -> str:
+    """rows -> out.json and out.md: run, `first` column, ppl / KL / top-1 per corpus, `extra`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    header = f"| run | {first} | " + " | ".join(f"{c} ppl | {c} KL | {c} top-1" for c in CORPORA) + " | " + " | ".join(extra) + " |"
+    lines = [header, "|" + "---|" * (3 * len(CORPORA) + 2 + len(extra))]
+    for row in rows:
+        cells = [row["run"], str(row.get(first, ""))]
+        for corpus in CORPORA:
+            cells += [f"{row[f'{corpus}.perplexity']:.2f}", f"{row[f'{corpus}.kl_to_base']:.4f}", f"{row[f'{corpus}.top1_agreement']:.3f}"]
+        cells += [str(row.get(column, "")) for column in extra]
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n"
+    out.with_suffix(".md").write_text(table)
+    return table

@@ -1,0 +1,76 @@
+"""Quality, wall time and peak memory of each pruning method on the real model.
+
+    .venv/bin/python benchmarks/prune_quality.py [--calibration artifacts/calibration]
+        [--reference artifacts/reference] [--runs wanda:2:4,wanda:2:4:refine,...]
+
+Each run is one `lmpress prune` process (so its peak memory is its own, read from the
+artifact's lineage), then `evaluate` on held-out Austen and pydoc text against the base's
+cached reference (never the calibration text). The calibration objective, the layer output
+error E||(W - W')x||^2 summed over every pruned linear, comes from the stage's pruning.json,
+before and after refinement. Results: benchmarks/results/prune_quality.{json,md}.
+
+Run spec: method:pattern[:refine][:seq] with pattern 0.5 or 2:4 (written 2-4 on the command
+line is fine too); without ':seq' the stored statistics of the unpruned model are used (no
+forward passes), with it each layer's statistics are re-collected on the pruned model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMPRESS_QUIET", "1")
+
+from benchmarks._report import flatten, write_quality_table  # noqa: E402
+from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
+
+DEFAULT_RUNS = ",".join(
+    f"{method}:{pattern}{refine}" for pattern in ("0.5", "2-4") for method in ("magnitude", "wanda", "sparsegpt") for refine in ("", ":refine")
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
+    parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
+    parser.add_argument("--runs", default=DEFAULT_RUNS)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prune_quality")
+    args = parser.parse_args()
+
+    evaluation = EvaluateConfig()
+    rows = [{"run": "base (fp32)", **flatten(evaluate(args.model, args.reference, None, evaluation))}]
+    work = Path(tempfile.mkdtemp())
+    for spec in args.runs.split(","):
+        method, pattern, *flags = spec.split(":")
+        out = work / spec.replace(":", "_")
+        command = [
+            sys.executable, "-m", "pipelines.cli", "prune", "--model", args.model, "--calibration", str(args.calibration),
+            "--method", method, "--pattern", pattern.replace("-", ":"), "--sequential", "true" if "seq" in flags else "false", "--out", str(out),
+        ]
+        if "refine" in flags:
+            command.append("--refine")
+        subprocess.run(command, check=True, cwd=ROOT)
+        report = json.loads((out / "pruning.json").read_text())
+        run = json.loads((out / "lineage.json").read_text())["chain"][-1]["run"]
+        row = {
+            "run": spec, "sparsity": report["sparsity"], "objective": f"{report['objective']:.1f}",
+            "refined objective": f"{report['refined_objective']:.1f}" if "refined_objective" in report else "",
+            "prune s": report["load_and_prune_s"], "stage s": round(run["wall_time_s"], 1), "peak MB": round(run["peak_rss_bytes"] / 2**20),
+            **flatten(evaluate(str(out), args.reference, None, evaluation)),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(write_quality_table(rows, args.out, "sparsity", ("objective", "refined objective", "prune s", "stage s", "peak MB")))
+
+
+if __name__ == "__main__":
+    main()
