@@ -125,8 +125,8 @@ def prune(
     method: str = typer.Option("wanda", help="magnitude (|W|, the baseline), wanda (|W| x input norm) or sparsegpt (Hessian-based reconstruction of the kept weights)."),
     sparsity: Optional[float] = typer.Option(None, help="Unstructured: share of each linear's weights set to zero, in [0, 1), e.g. 0.5."),
     pattern: Optional[str] = typer.Option(None, help="N:M: keep N of every M consecutive inputs, e.g. 2:4 (served compressed) or 4:8. Default 2:4."),
-    refine: bool = typer.Option(False, "--refine", help="Refine the masks without training: swap pruned and kept weights while that lowers the layer's reconstruction error."),
-    refine_cycles: int = typer.Option(50, "--refine-cycles", help="Swap rounds per linear for --refine."),
+    refine: bool = typer.Option(False, "--refine", help="Refine the masks without training: swap pruned and kept weights while that lowers the layer's reconstruction error (50 rounds)."),
+    refine_cycles: int = typer.Option(0, "--refine-cycles", help="Swap rounds per linear (implies --refine; 0 with no --refine: off)."),
     bits: int = typer.Option(0, help="sparsegpt: also quantize the kept weights (2, 3, 4 or 8 bits); 0 keeps them in floating point."),
     group_size: int = typer.Option(64, "--group-size", help="With --bits: input columns sharing one scale (32, 64, 128 or -1)."),
     symmetric: Switch = typer.Option(Switch.true, help="With --bits: symmetric grid (zero point 0)."),
@@ -145,8 +145,8 @@ def prune(
     if sparsity is not None and pattern is not None:
         raise LmpressError("pass either --sparsity (unstructured, e.g. 0.5) or --pattern (N:M, e.g. 2:4), not both")
     config = PruneConfig(
-        method=method, pattern=pattern if pattern is not None else str(sparsity) if sparsity is not None else "2:4", refine=refine,
-        refine_cycles=refine_cycles, bits=bits, group_size=group_size, symmetric=bool(symmetric), damp=damp,
+        method=method, pattern=pattern if pattern is not None else str(sparsity) if sparsity is not None else "2:4", 
+        refine_cycles=refine_cycles or (50 if refine else 0), bits=bits, group_size=group_size, symmetric=bool(symmetric), damp=damp,
         sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides, batch_size=batch_size,
     )
     path = run(model, calibration, out, config)

@@ -327,6 +327,23 @@ def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[st
     return plan
 
 
+def sparse_24_masks(model, chain: list[dict], plan: dict) -> dict[str, torch.Tensor]:
+    """Linear name -> keep mask, for the planned linears of a pruned parent that are 2:4 (at
+    most 2 nonzeros in every 4 inputs); the mask is completed to exactly 2 per group, as the
+    2:4 layout stores, should a kept weight be zero itself."""
+    from compressors.sparsity import keep_mask, magnitude_score, parse_pattern
+
+    if not any(record.get("stage") == "prune" for record in chain):
+        return {}
+    masks = {}
+    modules = dict(model.named_modules())
+    for name in plan:
+        weight = modules[name].weight.data
+        if weight.shape[1] % 4 == 0 and bool(((weight.reshape(weight.shape[0], -1, 4) != 0).sum(dim=2) <= 2).all()):
+            masks[name] = keep_mask(magnitude_score(weight), parse_pattern("2:4"))
+    return masks
+
+
 def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeConfig) -> Path:
     """Quantize every decoder linear (RTN; GPTQ, AWQ or SqueezeLLM from the calibration data,
     walking the model layer by layer so each layer sees the already-quantized inputs, or from
@@ -337,6 +354,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from compressors.grid import round_to_nearest
     from compressors.lmpress_format import save_lmpress_packed
     from compressors.packed_int import save_pack_quantized
+    from compressors.sparsegpt import PrunedLinear, sparsegpt_prune
     from compressors.squeezellm import squeezellm_quantize
     from pipelines.serving import bundle_kernels, validate
 
@@ -364,10 +382,13 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         if config.method == "rtn":
             results = {local: round_to_nearest(layer.get_submodule(local).weight.data, grid) for local, grid in layer_plan.items()}
         elif config.method == "gptq":
-            results = {
-                local: gptq_quantize(layer.get_submodule(local).weight.data, stats[local].second_moment, grid, config.damp, config.act_order)
-                for local, grid in layer_plan.items()
-            }
+            results = {}
+            for local, grid in layer_plan.items():
+                weight, keep = layer.get_submodule(local).weight.data, sparse.get(f"{prefix}.{index}.{local}")
+                if keep is None:
+                    results[local] = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order)
+                else:  # GPTQ whose error feedback leaves the pruned weights at zero (SparseGPT with its mask fixed)
+                    results[local] = sparsegpt_prune(weight, stats[local].second_moment, None, config.damp, grid=grid, keep=keep).quantized
         elif config.method in CODEBOOK_METHODS:
             hessian = lambda local: stats[local].second_moment if config.method == "squeezellm-gptq" else None  # noqa: E731
             results = {
@@ -380,15 +401,21 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         else:
             results = awq_layer(layer, arch, loaded.config, stats, layer_plan)
         for local, q in results.items():
-            module = layer.get_submodule(local)
+            module, name = layer.get_submodule(local), f"{prefix}.{index}.{local}"
             # later layers see it; written in place, as the loaded weights are pages of the mmapped
             # safetensors file that a new tensor would leave resident beside it
             module.weight.data.copy_(q.dequantized())
-            quantized[f"{prefix}.{index}.{local}"] = q
+            # a 2:4 parent stays 2:4: rtn, awq and masked gptq keep zeros at zero, so only the kept half is stored
+            quantized[name] = PrunedLinear(module.weight.data.float(), sparse[name], q) if name in sparse else q
 
+    sparse = sparse_24_masks(loaded.model, chain, plan)
+    require(
+        not (sparse and config.method in CODEBOOK_METHODS),
+        f"{config.method} codebooks do not keep pruned weights at zero; quantize a 2:4 model with rtn, gptq or awq",
+    )
     with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
         walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance)
-        if config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):
+        if sparse or config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):
             save_lmpress_packed(loaded.model, quantized, tmp)  # what compressed-tensors cannot carry
         else:
             save_pack_quantized(loaded.model, quantized, tmp)
@@ -425,8 +452,7 @@ COMPRESSED_FOLDER = "compressed"  # the served form inside a pruning artifact
 class PruneConfig:
     method: str = "wanda"  # magnitude | wanda | sparsegpt
     pattern: str = "2:4"  # N:M, or a ratio such as 0.5 for unstructured sparsity
-    refine: bool = False  # swap pruned/kept weights to lower the reconstruction error (DSnoT-style)
-    refine_cycles: int = 50
+    refine_cycles: int = 0  # > 0: refine each mask for up to this many swap rounds (DSnoT-style); 0: off
     bits: int = 0  # sparsegpt: also quantize the kept weights to this many bits (0: keep them fp)
     group_size: int = 64
     symmetric: bool = True
@@ -443,7 +469,7 @@ class PruneConfig:
         require(self.method in PRUNE_METHODS, f"unknown pruning method '{self.method}'; use one of {', '.join(PRUNE_METHODS)}")
         parse_pattern(self.pattern)
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
-        require(self.refine_cycles > 0, f"refine cycles must be positive (got {self.refine_cycles})")
+        require(self.refine_cycles >= 0, f"refine cycles must be 0 (off) or positive (got {self.refine_cycles})")
         require(self.bits == 0 or self.method == "sparsegpt", "only sparsegpt quantizes while pruning; pass --bits 0, or quantize afterwards")
         require(
             not (self.refine and self.bits),
@@ -458,6 +484,10 @@ class PruneConfig:
         from compressors.grid import GridSpec
 
         return GridSpec(self.bits, self.group_size, self.symmetric) if self.bits else None
+
+    @property
+    def refine(self) -> bool:
+        return self.refine_cycles > 0
 
     @property
     def needs_calibration(self) -> bool:

@@ -27,6 +27,7 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     params["calibrate"].update(samples=2, seq_len=32, batch_size=2)
     params["evaluate"].update(windows=1, seq_len=64)
     params["quantize"].update(batch_size=2)
+    params["prune"].update(batch_size=2)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     dvc("init", "-q", cwd=tmp_path)
@@ -35,9 +36,10 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     assert (tmp_path / "artifacts/calibration/stats/layer_029.safetensors").is_file()
     assert (tmp_path / "artifacts/reference/lm_head.safetensors").is_file()
     assert (tmp_path / "artifacts/quantized/lineage.json").is_file()
+    assert (tmp_path / "artifacts/pruned/compressed/validation.json").is_file()
     again = dvc("repro", cwd=tmp_path)
-    for stage in ("calibrate", "evaluate_base", "quantize", "evaluate_quantized"):
+    for stage in ("calibrate", "evaluate_base", "prune", "evaluate_pruned", "quantize", "evaluate_quantized"):
         assert f"Stage '{stage}' didn't change, skipping" in again
     shown = dvc("metrics", "show", cwd=tmp_path)
-    assert "metrics/base.json" in shown and "metrics/quantized.json" in shown
+    assert "metrics/base.json" in shown and "metrics/quantized.json" in shown and "metrics/pruned.json" in shown
     assert "austen-heldout.kl_to_base" in shown and "pydoc-heldout.perplexity" in shown

@@ -162,7 +162,7 @@ def test_prune_bad_input_fails_cleanly(tmp_path, tiny_folder, tiny_calibration, 
         (dict(pattern="1.0"), "sparsity must be in [0, 1)"),
         (dict(pattern="4:4"), "N must be at least 1 and below M"),
         (dict(pattern="3:7"), "needs input widths divisible by 7; model.layers.0.self_attn.q_proj is 64 wide"),
-        (dict(method="sparsegpt", bits=4, refine=True), "prune with --refine, then quantize"),
+        (dict(method="sparsegpt", bits=4, refine_cycles=50), "prune with --refine, then quantize"),
         (dict(method="wanda", bits=4), "only sparsegpt quantizes while pruning"),
         (dict(method="obs"), "unknown pruning method 'obs'"),
     ]
@@ -180,3 +180,24 @@ def test_prune_bad_input_fails_cleanly(tmp_path, tiny_folder, tiny_calibration, 
         result = run_cli("prune", "--model", tiny_folder, "--calibration", tiny_calibration, "--out", out, *extra)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not out.exists() and not leftovers(out)
+
+
+def test_quantizing_a_24_model_keeps_it_24(tmp_path, tiny_folder, tiny_calibration):
+    """2:4 + int4 from the quantization stage: GPTQ on a 2:4 parent leaves the pruned weights
+    at zero and the artifact stores only the kept half, served by the 2:4 kernel path."""
+    from compressors.packed_int import dequantize_reference, unpack_bitmask
+    from pipelines.serving import packed_weights
+    from pipelines.stages import PruneConfig, QuantizeConfig, prune, quantize
+    from safetensors.torch import load_file
+
+    pruned = prune(str(tiny_folder), tiny_calibration, tmp_path / "pruned", PruneConfig(method="wanda", sequential=False))
+    out = quantize(str(pruned), tiny_calibration, tmp_path / "q", QuantizeConfig(method="gptq", group_size=32, sequential=False))
+    parent = load_file(pruned / "model.safetensors")
+    weights = packed_weights(out)
+    assert len(weights) == 4 * 7 and all(w.bitmask is not None and w.bits == 4 for w in weights.values())
+    for name, weight in weights.items():
+        kept = unpack_bitmask(weight.bitmask, weight.columns)
+        assert torch.equal(kept, parent[f"{name}.weight"] != 0)  # the parent's mask, exactly
+        assert (dequantize_reference(weight)[~kept] == 0).all()
+    with pytest.raises(LmpressError, match="codebooks do not keep pruned weights at zero"):
+        quantize(str(pruned), tiny_calibration, tmp_path / "sq", QuantizeConfig(method="squeezellm", sequential=False))
