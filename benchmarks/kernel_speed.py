@@ -5,8 +5,10 @@
 Needs a CUDA GPU (on the CPU Triton only interprets, so no speed means anything there; run it
 with --smoke to check the script itself on tiny shapes). Random weights, since speed does not
 depend on values. Per shape (N x K: out x in) and batch: torch fp16 matmul (dense), lmpress's
-Triton kernels for int4 group 128, int3 group 128, int4 asymmetric group 128 and a 4-bit
-codebook, and bitsandbytes NF4 when it is installed; each as time and speedup over fp16. At
+Triton kernels for int4 group 128, int3 group 128, int4 asymmetric group 128, a 4-bit
+codebook, and 2:4 sparse weights with fp16 values or int4 values (group 128 over the inputs);
+bitsandbytes NF4 when it is installed, and torch's own 2:4 path (`to_sparse_semi_structured`,
+cuSPARSELt/CUTLASS) on the same 2:4 weight; each as time and speedup over fp16. At
 batch 1 it also reports the bandwidth each kernel achieves (bytes it must read / time) as a
 fraction of the device's measured copy bandwidth (a large device-to-device copy), which is the
 roof for a memory-bound GEMV. Results: benchmarks/results/kernel_speed.{json,md}.
@@ -29,6 +31,15 @@ from compressors.packed_int import PackedWeight, matmul_reference, matmul_triton
 def random_packed(kind: str, n: int, k: int, device, group: int = 128) -> PackedWeight:
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
+    from compressors.packed_int import pack_sparse24
+
+    if kind.startswith("sparse24"):  # 2 of every 4 inputs kept, at random
+        keep = (torch.rand(n, k // 4, 4).argsort(dim=2) < 2).reshape(n, k)
+        values, bitmask = pack_sparse24((torch.randn(n, k) / 50).half(), keep)
+        if kind == "sparse24-fp16":
+            return PackedWeight(values, None, 16, k, bitmask=bitmask).to(device)
+        kept = random_packed("int4", n, k // 2, "cpu", group // 2)
+        return PackedWeight(kept.packed, kept.scale, 4, k, bitmask=bitmask).to(device)
     bits = 3 if kind == "int3" else 4
     codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), dtype=torch.int8)
     packed = pack_to_int32(codes, bits)
@@ -40,7 +51,8 @@ def random_packed(kind: str, n: int, k: int, device, group: int = 128) -> Packed
 
 
 def stored_bytes(weight: PackedWeight) -> int:
-    return sum(t.numel() * t.element_size() for t in (weight.packed, weight.scale, weight.zero, weight.codebook) if t is not None)
+    parts = (weight.packed, weight.scale, weight.zero, weight.codebook, weight.bitmask)
+    return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
 
 def timed(fn, repeats: int) -> float:
@@ -74,7 +86,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_speed")
     args = parser.parse_args()
 
-    kinds = ("int4", "int3", "int4-asym", "codebook4")
+    kinds = ("int4", "int3", "int4-asym", "codebook4", "sparse24-fp16", "sparse24-int4")
     if args.smoke:
         for kind in kinds:
             weight = random_packed(kind, 64, 256, "cpu")
@@ -99,6 +111,13 @@ def main() -> None:
         dense = (torch.randn(n, k, device=device) / 50).half()
         weights = {kind: random_packed(kind, n, k, device) for kind in kinds}
         nf4 = bnb.quantize_4bit(dense, quant_type="nf4") if bnb is not None else None
+        try:  # torch's 2:4 path on a 2:4 weight of the same shape
+            from torch.sparse import to_sparse_semi_structured
+
+            semi_structured = to_sparse_semi_structured(dense * (torch.arange(k, device=device) % 4 < 2))
+        except (RuntimeError, ValueError, ImportError) as error:
+            semi_structured = None
+            print(f"torch semi-structured sparsity unavailable: {error}")
         for batch in map(int, args.batches.split(",")):
             x = torch.randn(batch, k, device=device, dtype=torch.float16)
             fp16 = timed(lambda: x @ dense.T, args.repeats)
@@ -112,6 +131,12 @@ def main() -> None:
                 row[f"{kind}_max_abs_error"] = error
                 if batch == 1:
                     row[f"{kind}_bandwidth_fraction"] = round(stored_bytes(weight) / seconds / bandwidth, 3)
+            if semi_structured is not None:
+                try:
+                    seconds = timed(lambda: torch.nn.functional.linear(x, semi_structured), args.repeats)
+                    row["torch_24_us"], row["torch_24_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
+                except (RuntimeError, ValueError) as error:  # shapes/batches its backend does not take
+                    row["torch_24_error"] = str(error).splitlines()[0][:120]
             if nf4 is not None:
                 packed, state = nf4  # as transformers' Linear4bit calls it: GEMV at batch 1, else dequantize + matmul
                 seconds = timed(lambda: bitsandbytes.matmul_4bit(x, packed.t(), quant_state=state), args.repeats)
@@ -122,7 +147,8 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    columns = ["fp16_us", *[f"{kind}_speedup" for kind in kinds], "bnb_nf4_speedup", "int4_bandwidth_fraction"]
+    columns = ["fp16_us", *[f"{kind}_speedup" for kind in kinds], "torch_24_speedup", "bnb_nf4_speedup", "int4_bandwidth_fraction",
+               "sparse24-int4_bandwidth_fraction"]
     lines = [f"{report['device']}, copy bandwidth {report['copy_bandwidth_GBps']} GB/s", "",
              "| shape | batch | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     for row in rows:

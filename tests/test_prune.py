@@ -201,3 +201,17 @@ def test_quantizing_a_24_model_keeps_it_24(tmp_path, tiny_folder, tiny_calibrati
         assert (dequantize_reference(weight)[~kept] == 0).all()
     with pytest.raises(LmpressError, match="codebooks do not keep pruned weights at zero"):
         quantize(str(pruned), tiny_calibration, tmp_path / "sq", QuantizeConfig(method="squeezellm", sequential=False))
+
+
+def test_per_layer_map_sets_each_linears_pattern(tmp_path, tiny_folder, tiny_calibration):
+    from pipelines.stages import PruneConfig, prune
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text('".*mlp\\\\.down_proj": "4:8"\n".*layers\\\\.0\\\\.self_attn.*": 0.25\n')
+    out = prune(str(tiny_folder), tiny_calibration, tmp_path / "p", PruneConfig(method="magnitude", overrides=str(plan), sequential=False))
+    linears = json.loads((out / "pruning.json").read_text())["linears"]
+    assert linears["model.layers.1.mlp.down_proj"]["pattern"] == "4:8"
+    assert linears["model.layers.0.self_attn.q_proj"]["pattern"] == "0.25"
+    assert linears["model.layers.0.self_attn.q_proj"]["zeros"] == 64 * 16  # a quarter of each 64-wide row
+    assert linears["model.layers.1.self_attn.q_proj"]["pattern"] == "2:4"
+    assert "objective" in linears["model.layers.1.self_attn.q_proj"]  # stored statistics at hand: magnitude reports it too
