@@ -286,44 +286,50 @@ def load_overrides(path: str) -> dict:
     return overrides
 
 
-def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[str, "GridSpec"]:
-    """Full linear name -> grid: the default, then overrides (first matching regex wins),
-    minus skipped linears; every grid checked against its linear's input width."""
+def planned_linears(model, skip: str, overrides: dict, default):
+    """(full name, module, setting) for every decoder linear not matched by a `skip` regex
+    (comma-separated, searched); the setting is the first override whose regex matches the
+    whole name, else `default`."""
     import re
 
-    from compressors.grid import GridSpec
-
-    skips = [pattern.strip() for pattern in config.skip.split(",") if pattern.strip()]
+    skips = [pattern.strip() for pattern in skip.split(",") if pattern.strip()]
     prefix = architecture_of(model.config).layers
-    plan = {}
     for index, layer in enumerate(decoder_layers(model)):
         for local, module in layer_linears(model, layer).items():
             name = f"{prefix}.{index}.{local}"
-            if any(re.search(pattern, name) for pattern in skips):
-                continue
-            settings = next((value for pattern, value in overrides.items() if re.fullmatch(pattern, name)), {})
-            require(
-                isinstance(settings, dict) and set(settings) <= {"bits", "group_size", "symmetric"},
-                f"override for '{name}' must set only bits, group_size, symmetric",
-            )
-            grid = GridSpec(
-                settings.get("bits", config.bits), settings.get("group_size", config.group_size),
-                settings.get("symmetric", config.symmetric),
-            )
-            if config.method in CODEBOOK_METHODS:  # per-row codebooks: no groups, bits only
-                from compressors.squeezellm import check_bits
+            if not any(re.search(pattern, name) for pattern in skips):
+                yield name, module, next((value for regex, value in overrides.items() if re.fullmatch(regex, name)), default)
 
-                require(set(settings) <= {"bits"}, f"squeezellm overrides set only bits (got {sorted(settings)} for '{name}')")
-                check_bits(grid.bits)
-            elif config.method not in BITSANDBYTES_METHODS:
-                grid.check_width(module.in_features, name)
-            elif config.method == "nf4" and not torch.cuda.is_available():
-                require(
-                    module.in_features % 64 == 0,
-                    f"nf4 on the CPU needs input widths that are multiples of 64 (bitsandbytes' CPU kernel); {name} is "
-                    f"{module.in_features} wide: leave it dense with --skip, or use rtn, gptq, awq or squeezellm",
-                )
-            plan[name] = grid
+
+def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[str, "GridSpec"]:
+    """Full linear name -> grid: the default, then overrides (first matching regex wins),
+    minus skipped linears; every grid checked against its linear's input width."""
+    from compressors.grid import GridSpec
+
+    plan = {}
+    for name, module, settings in planned_linears(model, config.skip, overrides, {}):
+        require(
+            isinstance(settings, dict) and set(settings) <= {"bits", "group_size", "symmetric"},
+            f"override for '{name}' must set only bits, group_size, symmetric",
+        )
+        grid = GridSpec(
+            settings.get("bits", config.bits), settings.get("group_size", config.group_size),
+            settings.get("symmetric", config.symmetric),
+        )
+        if config.method in CODEBOOK_METHODS:  # per-row codebooks: no groups, bits only
+            from compressors.squeezellm import check_bits
+
+            require(set(settings) <= {"bits"}, f"squeezellm overrides set only bits (got {sorted(settings)} for '{name}')")
+            check_bits(grid.bits)
+        elif config.method not in BITSANDBYTES_METHODS:
+            grid.check_width(module.in_features, name)
+        elif config.method == "nf4" and not torch.cuda.is_available():
+            require(
+                module.in_features % 64 == 0,
+                f"nf4 on the CPU needs input widths that are multiples of 64 (bitsandbytes' CPU kernel); {name} is "
+                f"{module.in_features} wide: leave it dense with --skip, or use rtn, gptq, awq or squeezellm",
+            )
+        plan[name] = grid
     return plan
 
 
@@ -497,23 +503,15 @@ class PruneConfig:
 def pruning_plan(model, config: PruneConfig, overrides: dict) -> dict:
     """Full linear name -> SparsityPattern: the default, then overrides (first matching regex
     wins), minus skipped linears; each pattern checked against its linear's input width."""
-    import re
-
     from compressors.sparsity import parse_pattern
 
-    skips = [pattern.strip() for pattern in config.skip.split(",") if pattern.strip()]
-    prefix = architecture_of(model.config).layers
     plan = {}
-    for index, layer in enumerate(decoder_layers(model)):
-        for local, module in layer_linears(model, layer).items():
-            name = f"{prefix}.{index}.{local}"
-            if any(re.search(pattern, name) for pattern in skips):
-                continue
-            pattern = parse_pattern(next((value for regex, value in overrides.items() if re.fullmatch(regex, name)), config.pattern))
-            pattern.check_width(module.in_features, name)
-            if config.bits:
-                config.grid().check_width(module.in_features, name)
-            plan[name] = pattern
+    for name, module, setting in planned_linears(model, config.skip, overrides, config.pattern):
+        pattern = parse_pattern(setting)
+        pattern.check_width(module.in_features, name)
+        if config.bits:
+            config.grid().check_width(module.in_features, name)
+        plan[name] = pattern
     return plan
 
 
