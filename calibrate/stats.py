@@ -27,6 +27,7 @@ from pipelines.artifact import read_json, read_lineage
 from pipelines.errors import LmpressError, require
 
 CALIBRATION_FORMAT = "lmpress-calibration/1"
+BLOCK_INFLUENCE = "block.influence"  # 1 - mean cos(layer input, layer output) over all tokens
 
 
 class _Moments:
@@ -182,6 +183,15 @@ class CalibrationData:
             linear: LinearStatistics(tensors[f"{group}.second_moment"], tensors[f"{group}.mean"], tensors[f"{group}.abs_mean"], tokens)
             for linear, group in self.manifest["groups"].items()
         }
+
+    def block_influence(self) -> list[float]:
+        """Per decoder layer, 1 - mean cos(input, output) over the calibration tokens."""
+        values = []
+        for file in sorted((self.folder / "stats").glob("layer_*.safetensors")):
+            tensors = load_file(file)
+            require(BLOCK_INFLUENCE in tensors, f"{self.folder} predates the block influence statistic; re-run `lmpress calibrate`")
+            values.append(float(tensors[BLOCK_INFLUENCE]))
+        return values
 
     def head_similarity(self, index: int) -> dict[str, torch.Tensor]:
         tensors = load_file(self.folder / "stats" / f"layer_{index:03d}.safetensors")

@@ -153,6 +153,49 @@ def prune(
     out_console.print(f"pruned model written to {path}", markup=False, highlight=False)
 
 
+@app.command("prune-structured")
+def prune_structured(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the smaller model; replaced only when complete."),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (scores, bias compensation, recovery)."),
+    target_params: float = typer.Option(0.8, "--target-params", help="Share of the parameters to keep, e.g. 0.75."),
+    scorer: str = typer.Option("flap", help="flap (input variance x squared weight column), wanda-sp (|W| x input norm) or magnitude (weight norms, the baseline)."),
+    bias_compensation: Switch = typer.Option(Switch.true, "--bias-compensation", help="Fold the pruned units' mean output into biases (Llama configs)."),
+    keep_heads: int = typer.Option(0, "--keep-heads", help="Query heads to keep per layer, a whole number of KV groups (0: chosen with the MLP width)."),
+    recovery_steps: int = typer.Option(0, "--recovery-steps", help="Distill from the parent for this many batches of calibration tokens (0: off)."),
+    recovery_lr: float = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation."),
+    batch_size: int = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step."),
+):
+    """Remove MLP channels and attention head groups (the same in every layer): a smaller model stock transformers opens."""
+    from pipelines.stages import StructuredConfig, prune_structured as run
+
+    config = StructuredConfig(
+        target_params=target_params, scorer=scorer, bias_compensation=bool(bias_compensation), keep_heads=keep_heads,
+        recovery_steps=recovery_steps, recovery_lr=recovery_lr, batch_size=batch_size,
+    )
+    path = run(model, calibration, out, config)
+    out_console.print(f"smaller model written to {path}", markup=False, highlight=False)
+
+
+@app.command("drop-layers")
+def drop_layers(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the shallower model; replaced only when complete."),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (block influence, recovery)."),
+    n: int = typer.Option(4, "--n", help="Decoder layers to drop."),
+    scorer: str = typer.Option("influence", help="influence (layers that change their input least) or last (the last layers, the baseline)."),
+    recovery_steps: int = typer.Option(0, "--recovery-steps", help="Distill from the parent for this many batches of calibration tokens (0: off)."),
+    recovery_lr: float = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation."),
+    batch_size: int = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step."),
+):
+    """Drop whole decoder layers: a shallower model stock transformers opens."""
+    from pipelines.stages import DropLayersConfig, drop_layers as run
+
+    config = DropLayersConfig(n=n, scorer=scorer, recovery_steps=recovery_steps, recovery_lr=recovery_lr, batch_size=batch_size)
+    path = run(model, calibration, out, config)
+    out_console.print(f"shallower model written to {path}", markup=False, highlight=False)
+
+
 @app.command()
 def validate(
     artifact: Path = typer.Argument(..., help="A quantized (pack-quantized) artifact."),

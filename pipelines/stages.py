@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from calibrate.corpora import check_disjoint, leading_windows, sample_windows, tokenize_part
 from calibrate.runner import LayerRunner
-from calibrate.stats import CALIBRATION_FORMAT, LayerStatisticsCollector
+from calibrate.stats import BLOCK_INFLUENCE, CALIBRATION_FORMAT, LayerStatisticsCollector
+from compressors.structured import block_influence
 from pipelines.artifact import (
     StageRun,
     atomic_directory,
@@ -68,11 +69,13 @@ def calibrate(model: str, out: Path, config: CalibrateConfig) -> Path:
         runner = LayerRunner(loaded.model, samples.input_ids, config.batch_size, on_layer_done=lambda _: advance())
         groups, tokens = None, None
         for index, layer in runner:
+            inputs = runner.hidden
             with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
                 runner.forward(layer)
             require(groups in (None, collector.group), f"layer {index} shares inputs differently from layer 0")
             groups, tokens = collector.group, collector.tokens
-            save_file(collector.tensors(), tmp / "stats" / f"layer_{index:03d}.safetensors")
+            influence = torch.tensor(block_influence(inputs, runner.hidden))  # what depth pruning ranks layers by
+            save_file({**collector.tensors(), BLOCK_INFLUENCE: influence}, tmp / "stats" / f"layer_{index:03d}.safetensors")
         save_file({"input_ids": samples.input_ids.contiguous()}, tmp / "samples.safetensors")
         calibration = {
             "corpus": config.corpus,
@@ -590,3 +593,160 @@ def _pruning_summary(report: dict) -> dict:
         if all(key in e for e in entries):
             summary[key] = sum(e[key] for e in entries)
     return summary
+
+
+# --------------------------------------------------------------------------- structured pruning and layer dropping
+
+STRUCTURE_REPORT = "structure.json"
+
+
+@dataclass
+class StructuredConfig:
+    target_params: float = 0.8  # share of the model's parameters to keep
+    scorer: str = "flap"  # flap | wanda-sp | magnitude
+    bias_compensation: bool = True  # pruned units' mean output folded into a bias (Llama's mlp_bias / attention_bias)
+    keep_heads: int = 0  # > 0: query heads kept per layer (whole KV groups); 0: the allocation decides
+    recovery_steps: int = 0  # > 0: distill from the parent for this many batches of calibration tokens
+    recovery_lr: float = 5e-5
+    batch_size: int = 2  # recovery: calibration windows per step
+
+    def validate(self) -> None:
+        from compressors.structured import SCORERS
+
+        require(0 < self.target_params < 1, f"target params must be in (0, 1): the share kept, e.g. 0.75 (got {self.target_params})")
+        require(self.scorer in SCORERS, f"unknown scorer '{self.scorer}'; use one of {', '.join(SCORERS)}")
+        _validate_recovery(self)
+
+
+@dataclass
+class DropLayersConfig:
+    n: int = 4  # decoder layers to drop
+    scorer: str = "influence"  # influence (lowest block influence first) | last (the last n layers, the baseline)
+    recovery_steps: int = 0
+    recovery_lr: float = 5e-5
+    batch_size: int = 2
+
+    def validate(self) -> None:
+        require(self.n > 0, f"--n must be at least 1 (got {self.n})")
+        require(self.scorer in ("influence", "last"), f"unknown scorer '{self.scorer}'; use influence or last")
+        _validate_recovery(self)
+
+
+def _validate_recovery(config) -> None:
+    require(config.recovery_steps >= 0, f"recovery steps must be 0 (off) or positive (got {config.recovery_steps})")
+    require(config.recovery_lr > 0, f"recovery lr must be positive (got {config.recovery_lr})")
+    require_positive(batch_size=config.batch_size)
+
+
+def prune_structured(model: str, calibration: Path | None, out: Path, config: StructuredConfig) -> Path:
+    """Remove the lowest-scoring MLP channels and head groups, the same number in every layer,
+    until `target_params` of the parameters remain; a plain, smaller HF checkpoint."""
+    from compressors.structured import (
+        UnitCosts, groups_to_drop, head_dim_of, head_group_scores, mlp_channel_scores, prune_heads, prune_mlp, uniform_allocation,
+    )
+
+    config.validate()
+    require_directory_target(out)
+    needs_statistics = config.scorer != "magnitude" or config.bias_compensation or config.recovery_steps
+    require_calibration(calibration, f"prune-structured --scorer {config.scorer}", needs_statistics)
+    run = StageRun()
+    loaded = load_model(model)
+    chain = model_chain(model, loaded.folder, loaded.config)
+    calib = open_calibration(calibration, chain)
+    arch, model_config = architecture_of(loaded.config), loaded.config
+    require(arch.attention[0] == "self_attn.q_proj" and arch.mlp[-1] == "mlp.down_proj", f"{model_config.model_type} is not a q/k/v/o + gate/up/down model")
+    biased = config.bias_compensation
+    require(
+        not biased or hasattr(model_config, "mlp_bias") and hasattr(model_config, "attention_bias"),
+        f"bias compensation needs a config with mlp_bias and attention_bias (Llama); {model_config.model_type} has none: "
+        "pass --bias-compensation false",
+    )
+    layers = decoder_layers(loaded.model)
+    stats = [calib.layer(index) if calib is not None else {} for index in range(len(layers))]
+    channel_scores = [mlp_channel_scores(layer.mlp, stats[i].get("mlp.down_proj"), config.scorer) for i, layer in enumerate(layers)]
+    group_scores = [head_group_scores(layer.self_attn, stats[i].get("self_attn.o_proj"), model_config, config.scorer) for i, layer in enumerate(layers)]
+    before = sum(p.numel() for p in loaded.model.parameters())
+    fixed_groups = groups_to_drop(model_config, config.keep_heads) if config.keep_heads else None
+    remove = round(before * (1 - config.target_params))
+    if biased:  # the biases compensation adds count too (an upper bound: the full widths')
+        q_rows = model_config.num_attention_heads * head_dim_of(model_config)
+        kv_rows = model_config.num_key_value_heads * head_dim_of(model_config)
+        remove += len(layers) * (2 * model_config.intermediate_size + 2 * model_config.hidden_size + q_rows + 2 * kv_rows)
+    drop_channels, drop_groups = uniform_allocation(channel_scores, group_scores, UnitCosts.of(model_config), remove, fixed_groups)
+
+    head_dim = head_dim_of(model_config)
+    kept = {}
+    with atomic_directory(out) as tmp:
+        for i, layer in enumerate(layers):
+            keep_channels = channel_scores[i].argsort(descending=True, stable=True)[: channel_scores[i].numel() - drop_channels].sort().values
+            keep_groups = group_scores[i].argsort(descending=True, stable=True)[: group_scores[i].numel() - drop_groups].sort().values
+            mean = lambda linear: stats[i][linear].mean if biased else None  # noqa: E731
+            prune_mlp(layer.mlp, keep_channels, mean("mlp.down_proj"), biased or bool(getattr(model_config, "mlp_bias", False)))
+            prune_heads(layer.self_attn, keep_groups, model_config, mean("self_attn.o_proj"), biased or bool(getattr(model_config, "attention_bias", False)))
+            kept[i] = {"mlp_channels": keep_channels.tolist(), "kv_heads": keep_groups.tolist()}
+        queries_per_group = model_config.num_attention_heads // model_config.num_key_value_heads
+        model_config.intermediate_size -= drop_channels
+        model_config.num_key_value_heads -= drop_groups
+        model_config.num_attention_heads = model_config.num_key_value_heads * queries_per_group
+        model_config.head_dim = head_dim  # no longer hidden_size / heads
+        if biased:
+            model_config.mlp_bias = model_config.attention_bias = True
+        report = {
+            "params_before": before, "mlp_channels_dropped_per_layer": drop_channels, "head_groups_dropped_per_layer": drop_groups, "kept": kept,
+        }
+        _finish_smaller_model(loaded, model, calib, config, tmp, report, {"stage": "prune-structured", "params": asdict(config)}, chain, run)
+    return Path(out)
+
+
+def drop_layers(model: str, calibration: Path | None, out: Path, config: DropLayersConfig) -> Path:
+    """Remove whole decoder layers: those with the lowest block influence (how much a layer
+    turns its input, from the calibration statistics), or the last ones; a plain HF checkpoint."""
+    config.validate()
+    require_directory_target(out)
+    require_calibration(calibration, f"drop-layers --scorer {config.scorer}", config.scorer == "influence" or config.recovery_steps > 0)
+    run = StageRun()
+    loaded = load_model(model)
+    chain = model_chain(model, loaded.folder, loaded.config)
+    calib = open_calibration(calibration, chain)
+    layers = decoder_layers(loaded.model)
+    require(
+        config.n < len(layers),
+        f"--n {config.n} would drop every layer of the {len(layers)}; drop at most {len(layers) - 1} (a quarter is a usual limit)",
+    )
+    if config.scorer == "influence":
+        influence = calib.block_influence()
+        dropped = sorted(sorted(range(len(layers)), key=lambda i: influence[i])[: config.n])
+    else:
+        influence, dropped = None, list(range(len(layers) - config.n, len(layers)))
+    with atomic_directory(out) as tmp:
+        kept = [layer for i, layer in enumerate(layers) if i not in dropped]
+        for new_index, layer in enumerate(kept):
+            layer.self_attn.layer_idx = new_index  # the KV cache is indexed by it
+        owner, name = architecture_of(loaded.config).layers.rsplit(".", 1)
+        setattr(loaded.model.get_submodule(owner), name, torch.nn.ModuleList(kept))
+        loaded.config.num_hidden_layers = len(kept)
+        if getattr(loaded.config, "layer_types", None):  # per-layer attention kinds (sliding / full)
+            loaded.config.layer_types = [kind for i, kind in enumerate(loaded.config.layer_types) if i not in dropped]
+        report = {"dropped_layers": dropped, "block_influence": influence}
+        _finish_smaller_model(loaded, model, calib, config, tmp, report, {"stage": "drop-layers", "params": asdict(config)}, chain, run)
+    return Path(out)
+
+
+def _finish_smaller_model(loaded, parent: str, calib, config, tmp: Path, report: dict, record: dict, chain, run) -> None:
+    """Optional recovery by distillation from the parent, then the checkpoint, report and lineage."""
+    from compressors.recovery import distill
+
+    report["params_after"] = sum(p.numel() for p in loaded.model.parameters())
+    if config.recovery_steps:
+        teacher = load_model(parent).model
+        with progress_bar("recovery (distillation)", config.recovery_steps) as advance:
+            losses = distill(
+                loaded.model, teacher, calib.input_ids, config.recovery_steps, config.recovery_lr, config.batch_size,
+                seed=calib.manifest["seed"], on_step=lambda *_: advance(),
+            )
+        report["recovery_kl"] = {"first": losses[0], "last": losses[-1]}
+        del teacher
+    loaded.model.save_pretrained(tmp)
+    loaded.tokenizer.save_pretrained(tmp)
+    write_json(tmp / STRUCTURE_REPORT, report)
+    write_lineage(tmp, chain, {**record, **calibration_record(calib)}, run)

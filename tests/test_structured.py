@@ -1,0 +1,144 @@
+"""Structured pruning and layer dropping: smaller plain checkpoints that stock transformers
+opens with the logits of lmpress's own pruned model; bias compensation on real activations;
+recovery; bad input."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compressors.structured import prune_heads, prune_mlp
+from conftest import leftovers, run_cli
+from pipelines.errors import LmpressError
+from pipelines.stages import DropLayersConfig, StructuredConfig, drop_layers, prune_structured
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory, real_model_folder):
+    """A tiny Llama (real tokenizer) and its calibration artifact."""
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_config
+    from pipelines.stages import CalibrateConfig, calibrate
+
+    root = tmp_path_factory.mktemp("structured")
+    config = tiny_config("llama")
+    config.vocab_size = 49152
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "tiny")
+    AutoTokenizer.from_pretrained(real_model_folder).save_pretrained(root / "tiny")
+    calibrate(str(root / "tiny"), root / "calib", CalibrateConfig(samples=8, seq_len=32, batch_size=4))
+    return root / "tiny", root / "calib"
+
+
+def logits(model, seed=0):
+    ids = torch.randint(0, 49152, (2, 12), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("scorer,compensate", [("flap", True), ("wanda-sp", False), ("magnitude", False)])
+def test_width_pruning_gives_a_smaller_stock_checkpoint_with_lmpress_logits(tmp_path, tiny_setup, scorer, compensate):
+    from calibrate.stats import CalibrationData
+
+    folder, calibration = tiny_setup
+    out = prune_structured(str(folder), calibration, tmp_path / "s", StructuredConfig(target_params=0.99, scorer=scorer, bias_compensation=compensate))
+    report = json.loads((out / "structure.json").read_text())
+    stock = AutoModelForCausalLM.from_pretrained(out).eval()  # stock transformers, no lmpress code
+    assert sum(p.numel() for p in stock.parameters()) == report["params_after"] <= 0.99 * report["params_before"]
+    assert stock.config.intermediate_size == 96 - report["mlp_channels_dropped_per_layer"]
+    assert stock.config.num_key_value_heads == 2 - report["head_groups_dropped_per_layer"] >= 1
+    assert stock.config.num_attention_heads == 2 * stock.config.num_key_value_heads  # GQA ratio kept
+
+    # lmpress's own pruned model: the parent with the recorded units removed in memory
+    parent = AutoModelForCausalLM.from_pretrained(folder).eval()
+    data = CalibrationData(calibration)
+    for index, layer in enumerate(parent.model.layers):
+        kept, stats = report["kept"][str(index)], data.layer(index)
+        mean = lambda name: stats[name].mean if compensate else None  # noqa: E731
+        prune_mlp(layer.mlp, torch.tensor(kept["mlp_channels"]), mean("mlp.down_proj"), compensate)
+        prune_heads(layer.self_attn, torch.tensor(kept["kv_heads"]), parent.config, mean("self_attn.o_proj"), compensate)
+    torch.testing.assert_close(logits(stock), logits(parent), rtol=1e-5, atol=1e-5)
+    assert (stock.model.layers[0].mlp.down_proj.bias is not None) == compensate
+
+
+@pytest.mark.parametrize("scorer", ["influence", "last"])
+def test_dropping_layers_gives_a_shallower_stock_checkpoint(tmp_path, tiny_setup, scorer):
+    folder, calibration = tiny_setup
+    out = drop_layers(str(folder), calibration, tmp_path / "d", DropLayersConfig(n=2, scorer=scorer))
+    report = json.loads((out / "structure.json").read_text())
+    if scorer == "last":
+        assert report["dropped_layers"] == [2, 3]
+    else:  # the two layers that turn their input least
+        influence = report["block_influence"]
+        assert sorted(report["dropped_layers"]) == sorted(sorted(range(4), key=influence.__getitem__)[:2])
+    stock = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert stock.config.num_hidden_layers == 2
+    parent = AutoModelForCausalLM.from_pretrained(folder).eval()
+    parent.model.layers = torch.nn.ModuleList([l for i, l in enumerate(parent.model.layers) if i not in report["dropped_layers"]])
+    for index, layer in enumerate(parent.model.layers):
+        layer.self_attn.layer_idx = index
+    parent.config.num_hidden_layers = 2
+    torch.testing.assert_close(logits(stock), logits(parent), rtol=1e-5, atol=1e-5)
+
+
+def test_recovery_distillation_lowers_the_kl_to_the_parent(tmp_path, tiny_setup):
+    folder, calibration = tiny_setup
+    config = StructuredConfig(target_params=0.99, recovery_steps=24, recovery_lr=2e-3, batch_size=2)
+    report = json.loads((prune_structured(str(folder), calibration, tmp_path / "r", config) / "structure.json").read_text())
+    assert report["recovery_kl"]["last"] < 0.7 * report["recovery_kl"]["first"]
+
+
+def test_bias_compensation_reduces_the_output_error_on_real_activations(real_model_folder):
+    """On SmolLM2-135M and real calibration text: removing 30% of an MLP's channels by FLAP's
+    score, folding their mean contribution into down_proj's bias lowers E||y - y'||^2."""
+    from transformers import AutoTokenizer
+
+    from calibrate.corpora import sample_windows
+    from compressors.structured import mlp_channel_scores
+    from calibrate.stats import LinearStatistics
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_folder)
+    model = AutoModelForCausalLM.from_pretrained(real_model_folder, dtype=torch.float32).eval()
+    samples = sample_windows("austen-calib+pydoc-calib", tokenizer, 8, 128, seed=0)
+    captured = {}
+    for index in (3, 15, 27):
+        mlp = model.model.layers[index].mlp
+        mlp.down_proj.register_forward_hook(lambda m, args, out, i=index: captured.setdefault(i, []).append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        model(samples.input_ids)
+    for index, chunks in captured.items():
+        x = torch.cat(chunks)
+        stats = LinearStatistics(x.T @ x / len(x), x.mean(0), x.abs().mean(0), len(x))
+        mlp = model.model.layers[index].mlp
+        keep = mlp_channel_scores(mlp, stats, "flap").argsort(descending=True)[: int(0.7 * x.shape[1])].sort().values
+        y = mlp.down_proj(x)
+        errors = {}
+        for compensate in (False, True):
+            down = torch.nn.Module()
+            down.gate_proj, down.up_proj, down.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+            prune_mlp(down, keep, stats.mean if compensate else None, compensate)
+            with torch.no_grad():
+                errors[compensate] = ((down.down_proj(x[:, keep]) - y) ** 2).sum(dim=1).mean().item()
+        print(f"layer {index}: E||y - y'||^2 {errors[False]:.2f} without, {errors[True]:.2f} with bias compensation")
+        assert errors[True] < 0.99 * errors[False], (index, errors)
+
+
+def test_structured_bad_input_fails_cleanly(tmp_path, tiny_setup):
+    folder, calibration = tiny_setup
+    out = tmp_path / "s"
+    cases = [
+        (prune_structured, StructuredConfig(target_params=0.5), "would remove every MLP channel or every head group"),
+        (prune_structured, StructuredConfig(target_params=0.99, keep_heads=3), "3 query heads would break grouped-query attention"),
+        (prune_structured, StructuredConfig(target_params=1.0), "target params must be in (0, 1)"),
+        (drop_layers, DropLayersConfig(n=4), "would drop every layer of the 4"),
+        (drop_layers, DropLayersConfig(n=0), "--n must be at least 1"),
+    ]
+    for stage, config, message in cases:
+        with pytest.raises(LmpressError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            stage(str(folder), calibration, out, config)
+        assert not out.exists() and not leftovers(out)
+    result = run_cli("drop-layers", "--model", folder, "--n", "9", "--out", out, "--calibration", calibration)
+    assert result.returncode == 2 and "would drop every layer" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists() and not leftovers(out)
