@@ -33,3 +33,14 @@ def write_quality_table(rows: list[dict], out: Path, first: str, extra: tuple[st
     table = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(table)
     return table
+
+
+def run_stage(arguments: list[str], out: Path, report_file: str) -> tuple[dict, dict]:
+    """Run one `lmpress` command in its own process (so its peak memory is its own) and return
+    its report file and the `run` part of its lineage (wall time, peak RSS)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "pipelines.cli", *arguments, "--out", str(out)], check=True, cwd=Path(__file__).resolve().parent.parent)
+    report = json.loads((out / report_file).read_text())
+    return report, json.loads((out / "lineage.json").read_text())["chain"][-1]["run"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import flatten, write_quality_table  # noqa: E402
+from benchmarks._report import flatten, run_stage, write_quality_table  # noqa: E402
 from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
 
 DEFAULT_RUNS = ",".join(
@@ -53,14 +52,10 @@ def main() -> None:
         method, pattern, *flags = spec.split(":")
         out = work / spec.replace(":", "_")
         command = [
-            sys.executable, "-m", "pipelines.cli", "prune", "--model", args.model, "--calibration", str(args.calibration),
-            "--method", method, "--pattern", pattern.replace("-", ":"), "--sequential", "true" if "seq" in flags else "false", "--out", str(out),
+            "prune", "--model", args.model, "--calibration", str(args.calibration),
+            "--method", method, "--pattern", pattern.replace("-", ":"), "--sequential", "true" if "seq" in flags else "false",
         ]
-        if "refine" in flags:
-            command.append("--refine")
-        subprocess.run(command, check=True, cwd=ROOT)
-        report = json.loads((out / "pruning.json").read_text())
-        run = json.loads((out / "lineage.json").read_text())["chain"][-1]["run"]
+        report, run = run_stage(command + (["--refine"] if "refine" in flags else []), out, "pruning.json")
         row = {
             "run": spec, "sparsity": report["sparsity"], "objective": f"{report['objective']:.1f}",
             "refined objective": f"{report['refined_objective']:.1f}" if "refined_objective" in report else "",

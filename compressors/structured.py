@@ -117,6 +117,35 @@ def uniform_allocation(
     return best[1], best[2]
 
 
+def global_allocation(
+    channel_scores: list[torch.Tensor], group_scores: list[torch.Tensor], costs: UnitCosts, remove_params: int,
+) -> tuple[list[int], list[int]]:
+    """Per layer, how many MLP channels and head groups it loses, when layers may differ:
+    every unit of every layer in order of (score / its kind's mean score) per parameter, the
+    cheapest first, until `remove_params` are gone; a layer always keeps one channel and one
+    head group (FLAP's global allocation, with the two kinds standardized the same way)."""
+    layers = len(channel_scores)
+    channel_mean = torch.cat(channel_scores).mean().clamp_min(1e-30)
+    group_mean = torch.cat(group_scores).mean().clamp_min(1e-30)
+    units = [(float(s) / channel_mean / costs.channel, layer, 0) for layer, scores in enumerate(channel_scores) for s in scores]
+    units += [(float(s) / group_mean / costs.group, layer, 1) for layer, scores in enumerate(group_scores) for s in scores]
+    dropped = [[0] * layers, [0] * layers]  # [channels, groups][layer]
+    limits = (channel_scores[0].numel() - 1, group_scores[0].numel() - 1)
+    removed = 0
+    for _, layer, kind in sorted(units):
+        if removed >= remove_params:
+            break
+        if dropped[kind][layer] < limits[kind]:
+            dropped[kind][layer] += 1
+            removed += costs.group if kind else costs.channel
+    require(
+        removed >= remove_params,
+        "the target would remove every MLP channel or every head group of a layer; ask for a smaller reduction "
+        "(e.g. --target-params 0.75) or drop whole layers with `lmpress drop-layers`",
+    )
+    return dropped[0], dropped[1]
+
+
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
     layer.weight.data.copy_(weight)

@@ -162,6 +162,7 @@ def prune_structured(
     scorer: str = typer.Option("flap", help="flap (input variance x squared weight column), wanda-sp (|W| x input norm) or magnitude (weight norms, the baseline)."),
     bias_compensation: Switch = typer.Option(Switch.true, "--bias-compensation", help="Fold the pruned units' mean output into biases (Llama configs)."),
     keep_heads: int = typer.Option(0, "--keep-heads", help="Query heads to keep per layer, a whole number of KV groups (0: chosen with the MLP width)."),
+    allocation: str = typer.Option("uniform", help="uniform (the same widths in every layer: a plain checkpoint) or global (per-layer widths, opened by lmpress's loader)."),
     recovery_steps: int = typer.Option(0, "--recovery-steps", help="Distill from the parent for this many batches of calibration tokens (0: off)."),
     recovery_lr: float = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation."),
     batch_size: int = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step."),
@@ -170,7 +171,7 @@ def prune_structured(
     from pipelines.stages import StructuredConfig, prune_structured as run
 
     config = StructuredConfig(
-        target_params=target_params, scorer=scorer, bias_compensation=bool(bias_compensation), keep_heads=keep_heads,
+        target_params=target_params, scorer=scorer, bias_compensation=bool(bias_compensation), keep_heads=keep_heads, allocation=allocation,
         recovery_steps=recovery_steps, recovery_lr=recovery_lr, batch_size=batch_size,
     )
     path = run(model, calibration, out, config)

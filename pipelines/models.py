@@ -252,6 +252,35 @@ class LoadedModel:
         return self.model.config
 
 
+LAYER_WIDTHS = "lmpress_layer_widths"  # config.json key: per-layer widths after non-uniform structured pruning
+
+
+def _load_with_layer_widths(folder: Path, config, dtype: torch.dtype) -> nn.Module:
+    """A model whose layers have their own widths (`lmpress_layer_widths`: intermediate_size
+    and num_key_value_heads per layer), which transformers' configs cannot say: build it at the
+    config's (largest) widths, shrink each layer to its recorded ones, then load the weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from compressors.structured import prune_heads, prune_mlp
+
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    widths = getattr(config, LAYER_WIDTHS)
+    layers = decoder_layers(model)
+    require(len(widths) == len(layers), f"{folder}/config.json lists {len(widths)} layer widths for {len(layers)} layers; re-run the stage")
+    for layer, width in zip(layers, widths):
+        prune_mlp(layer.mlp, torch.arange(width["intermediate_size"]), None, bool(getattr(config, "mlp_bias", False)))
+        prune_heads(layer.self_attn, torch.arange(width["num_key_value_heads"]), config, None, bool(getattr(config, "attention_bias", False)))
+    state = {}
+    for file in weight_files(folder):
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict({key: value.to(dtype) for key, value in state.items()}, strict=False)
+    tied = {key for key in missing if getattr(config, "tie_word_embeddings", False) and key.startswith("lm_head.")}
+    require(not unexpected and set(missing) == tied, f"{folder} does not match its recorded layer widths; re-run the stage that wrote it")
+    model.tie_weights()
+    return model
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Resolve, check and load a causal LM and its tokenizer, in eval mode, on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -265,6 +294,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         from pipelines.serving import load_lmpress_packed
 
         model = load_lmpress_packed(folder, config, dtype)
+    elif getattr(config, LAYER_WIDTHS, None):
+        model = _load_with_layer_widths(folder, config, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
     quantizer = getattr(model, "hf_quantizer", None)

@@ -606,6 +606,7 @@ class StructuredConfig:
     scorer: str = "flap"  # flap | wanda-sp | magnitude
     bias_compensation: bool = True  # pruned units' mean output folded into a bias (Llama's mlp_bias / attention_bias)
     keep_heads: int = 0  # > 0: query heads kept per layer (whole KV groups); 0: the allocation decides
+    allocation: str = "uniform"  # uniform: the same widths in every layer (a plain config) | global: per-layer widths (lmpress's loader)
     recovery_steps: int = 0  # > 0: distill from the parent for this many batches of calibration tokens
     recovery_lr: float = 5e-5
     batch_size: int = 2  # recovery: calibration windows per step
@@ -615,6 +616,8 @@ class StructuredConfig:
 
         require(0 < self.target_params < 1, f"target params must be in (0, 1): the share kept, e.g. 0.75 (got {self.target_params})")
         require(self.scorer in SCORERS, f"unknown scorer '{self.scorer}'; use one of {', '.join(SCORERS)}")
+        require(self.allocation in ("uniform", "global"), f"allocation must be uniform or global (got '{self.allocation}')")
+        require(not (self.keep_heads and self.allocation == "global"), "--keep-heads fixes every layer's heads; use it with --allocation uniform")
         _validate_recovery(self)
 
 
@@ -639,11 +642,14 @@ def _validate_recovery(config) -> None:
 
 
 def prune_structured(model: str, calibration: Path | None, out: Path, config: StructuredConfig) -> Path:
-    """Remove the lowest-scoring MLP channels and head groups, the same number in every layer,
-    until `target_params` of the parameters remain; a plain, smaller HF checkpoint."""
+    """Remove the lowest-scoring MLP channels and head groups until `target_params` of the
+    parameters remain: the same number in every layer (a plain, smaller HF checkpoint) or,
+    with global allocation, per layer (widths recorded in config.json for lmpress's loader)."""
     from compressors.structured import (
-        UnitCosts, groups_to_drop, head_dim_of, head_group_scores, mlp_channel_scores, prune_heads, prune_mlp, uniform_allocation,
+        UnitCosts, global_allocation, groups_to_drop, head_dim_of, head_group_scores, mlp_channel_scores, prune_heads, prune_mlp,
+        uniform_allocation,
     )
+    from pipelines.models import LAYER_WIDTHS
 
     config.validate()
     require_directory_target(out)
@@ -672,28 +678,34 @@ def prune_structured(model: str, calibration: Path | None, out: Path, config: St
         q_rows = model_config.num_attention_heads * head_dim_of(model_config)
         kv_rows = model_config.num_key_value_heads * head_dim_of(model_config)
         remove += len(layers) * (2 * model_config.intermediate_size + 2 * model_config.hidden_size + q_rows + 2 * kv_rows)
-    drop_channels, drop_groups = uniform_allocation(channel_scores, group_scores, UnitCosts.of(model_config), remove, fixed_groups)
+    if config.allocation == "uniform":
+        uniform = uniform_allocation(channel_scores, group_scores, UnitCosts.of(model_config), remove, fixed_groups)
+        drop_channels, drop_groups = [uniform[0]] * len(layers), [uniform[1]] * len(layers)
+    else:
+        drop_channels, drop_groups = global_allocation(channel_scores, group_scores, UnitCosts.of(model_config), remove)
 
     head_dim = head_dim_of(model_config)
     kept = {}
     with atomic_directory(out) as tmp:
         for i, layer in enumerate(layers):
-            keep_channels = channel_scores[i].argsort(descending=True, stable=True)[: channel_scores[i].numel() - drop_channels].sort().values
-            keep_groups = group_scores[i].argsort(descending=True, stable=True)[: group_scores[i].numel() - drop_groups].sort().values
+            keep_channels = channel_scores[i].argsort(descending=True, stable=True)[: channel_scores[i].numel() - drop_channels[i]].sort().values
+            keep_groups = group_scores[i].argsort(descending=True, stable=True)[: group_scores[i].numel() - drop_groups[i]].sort().values
             mean = lambda linear: stats[i][linear].mean if biased else None  # noqa: E731
             prune_mlp(layer.mlp, keep_channels, mean("mlp.down_proj"), biased or bool(getattr(model_config, "mlp_bias", False)))
             prune_heads(layer.self_attn, keep_groups, model_config, mean("self_attn.o_proj"), biased or bool(getattr(model_config, "attention_bias", False)))
             kept[i] = {"mlp_channels": keep_channels.tolist(), "kv_heads": keep_groups.tolist()}
         queries_per_group = model_config.num_attention_heads // model_config.num_key_value_heads
-        model_config.intermediate_size -= drop_channels
-        model_config.num_key_value_heads -= drop_groups
+        widths = [{"intermediate_size": len(k["mlp_channels"]), "num_key_value_heads": len(k["kv_heads"])} for k in kept.values()]
+        # the config's widths are the largest; layers that differ are listed for lmpress's loader
+        model_config.intermediate_size = max(w["intermediate_size"] for w in widths)
+        model_config.num_key_value_heads = max(w["num_key_value_heads"] for w in widths)
         model_config.num_attention_heads = model_config.num_key_value_heads * queries_per_group
         model_config.head_dim = head_dim  # no longer hidden_size / heads
+        if any(w != widths[0] for w in widths):
+            setattr(model_config, LAYER_WIDTHS, widths)
         if biased:
             model_config.mlp_bias = model_config.attention_bias = True
-        report = {
-            "params_before": before, "mlp_channels_dropped_per_layer": drop_channels, "head_groups_dropped_per_layer": drop_groups, "kept": kept,
-        }
+        report = {"params_before": before, "mlp_channels_dropped": drop_channels, "head_groups_dropped": drop_groups, "kept": kept}
         _finish_smaller_model(loaded, model, calib, config, tmp, report, {"stage": "prune-structured", "params": asdict(config)}, chain, run)
     return Path(out)
 

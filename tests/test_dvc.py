@@ -38,7 +38,9 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     assert (tmp_path / "artifacts/quantized/lineage.json").is_file()
     assert (tmp_path / "artifacts/pruned/compressed/validation.json").is_file()
     again = dvc("repro", cwd=tmp_path)
-    for stage in ("calibrate", "evaluate_base", "prune", "evaluate_pruned", "quantize", "evaluate_quantized"):
+    assert (tmp_path / "artifacts/pruned-structured/structure.json").is_file() and (tmp_path / "artifacts/dropped/structure.json").is_file()
+    stages = ("calibrate", "evaluate_base", "prune", "evaluate_pruned", "prune_structured", "evaluate_structured", "drop_layers", "evaluate_dropped")
+    for stage in (*stages, "quantize", "evaluate_quantized"):
         assert f"Stage '{stage}' didn't change, skipping" in again
     shown = dvc("metrics", "show", cwd=tmp_path)
     assert "metrics/base.json" in shown and "metrics/quantized.json" in shown and "metrics/pruned.json" in shown

@@ -47,8 +47,8 @@ def test_width_pruning_gives_a_smaller_stock_checkpoint_with_lmpress_logits(tmp_
     report = json.loads((out / "structure.json").read_text())
     stock = AutoModelForCausalLM.from_pretrained(out).eval()  # stock transformers, no lmpress code
     assert sum(p.numel() for p in stock.parameters()) == report["params_after"] <= 0.99 * report["params_before"]
-    assert stock.config.intermediate_size == 96 - report["mlp_channels_dropped_per_layer"]
-    assert stock.config.num_key_value_heads == 2 - report["head_groups_dropped_per_layer"] >= 1
+    assert stock.config.intermediate_size == 96 - report["mlp_channels_dropped"][0]
+    assert stock.config.num_key_value_heads == 2 - report["head_groups_dropped"][0] >= 1
     assert stock.config.num_attention_heads == 2 * stock.config.num_key_value_heads  # GQA ratio kept
 
     # lmpress's own pruned model: the parent with the recorded units removed in memory
@@ -61,6 +61,30 @@ def test_width_pruning_gives_a_smaller_stock_checkpoint_with_lmpress_logits(tmp_
         prune_heads(layer.self_attn, torch.tensor(kept["kv_heads"]), parent.config, mean("self_attn.o_proj"), compensate)
     torch.testing.assert_close(logits(stock), logits(parent), rtol=1e-5, atol=1e-5)
     assert (stock.model.layers[0].mlp.down_proj.bias is not None) == compensate
+
+
+def test_global_allocation_gives_per_layer_widths_that_lmpress_loads(tmp_path, tiny_setup):
+    from pipelines.models import LAYER_WIDTHS, load_model
+
+    folder, calibration = tiny_setup
+    out = prune_structured(str(folder), calibration, tmp_path / "g", StructuredConfig(target_params=0.99, allocation="global"))
+    report = json.loads((out / "structure.json").read_text())
+    widths = json.loads((out / "config.json").read_text())[LAYER_WIDTHS]
+    assert len({w["intermediate_size"] for w in widths}) > 1  # the layers differ
+    assert [w["intermediate_size"] for w in widths] == [96 - d for d in report["mlp_channels_dropped"]]
+    loaded = load_model(str(out)).model
+    assert sum(p.numel() for p in loaded.parameters()) == report["params_after"] <= 0.99 * report["params_before"]
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # stock transformers cannot build per-layer widths, and says so
+        AutoModelForCausalLM.from_pretrained(out)
+    parent = AutoModelForCausalLM.from_pretrained(folder).eval()
+    from calibrate.stats import CalibrationData
+
+    data = CalibrationData(calibration)
+    for index, layer in enumerate(parent.model.layers):
+        kept, stats = report["kept"][str(index)], data.layer(index)
+        prune_mlp(layer.mlp, torch.tensor(kept["mlp_channels"]), stats["mlp.down_proj"].mean, True)
+        prune_heads(layer.self_attn, torch.tensor(kept["kv_heads"]), parent.config, stats["self_attn.o_proj"].mean, True)
+    torch.testing.assert_close(logits(loaded), logits(parent), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scorer", ["influence", "last"])

@@ -1,0 +1,100 @@
+"""Width pruning and layer dropping on the real model: size, quality and CPU speed.
+
+    .venv/bin/python benchmarks/structured_quality.py [--calibration artifacts/calibration]
+        [--reference artifacts/reference] [--runs width:flap:0.9,drop:influence:3:rec,...]
+
+Run spec: width:SCORER:KEEP[:nobias][:rec] (prune-structured keeping KEEP of the parameters;
+magnitude runs without bias compensation, the naive baseline; `nobias` turns it off for the
+others too) or drop:SCORER:N[:rec] (drop-layers, scorer influence or last); `rec` adds the
+recovery distillation (--recovery-steps, default 64 batches of 2 calibration windows).
+
+Each command runs in its own process (its wall time and peak memory from the lineage), then
+`evaluate` on held-out Austen and pydoc text against the base's cached reference, and greedy
+decoding speed on one thread (batch 1, 64 new tokens, the median of 3), measured in this
+process for the base and every pruned model, reported as tokens/s and as a ratio to the base.
+Results: benchmarks/results/structured_quality.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMPRESS_QUIET", "1")
+
+import torch  # noqa: E402
+
+from benchmarks._report import flatten, run_stage, write_quality_table  # noqa: E402
+from pipelines.models import load_model  # noqa: E402
+from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
+
+DEFAULT_RUNS = ",".join([
+    *(f"width:{scorer}:{keep}" for keep in ("0.9", "0.8", "0.7") for scorer in ("flap", "magnitude")),
+    "width:flap:0.8:nobias", "width:flap:0.8:rec", "width:flap:0.7:rec",
+    *(f"drop:{scorer}:{n}" for n in (3, 6) for scorer in ("influence", "last")), "drop:influence:6:rec",
+])
+
+
+@torch.no_grad()
+def decode_tokens_per_second(spec: str, new_tokens: int = 64, repeats: int = 3) -> float:
+    loaded = load_model(spec)
+    ids = loaded.tokenizer("It is a truth universally acknowledged", return_tensors="pt").input_ids
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loaded.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        times.append(time.perf_counter() - start)
+    return new_tokens / sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
+    parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
+    parser.add_argument("--runs", default=DEFAULT_RUNS)
+    parser.add_argument("--recovery-steps", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "structured_quality")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    evaluation = EvaluateConfig()
+    base_speed = decode_tokens_per_second(args.model)
+    base = flatten(evaluate(args.model, args.reference, None, evaluation))
+    rows = [{"run": "base (fp32)", "params (M)": round(base["parameters"] / 1e6, 1), "tokens/s": round(base_speed, 1), "speed vs base": 1.0, **base}]
+    work = Path(tempfile.mkdtemp())
+    for spec in args.runs.split(","):
+        kind, scorer, amount, *flags = spec.split(":")
+        out = work / spec.replace(":", "_")
+        common = ["--model", args.model, "--calibration", str(args.calibration), "--scorer", scorer]
+        if "rec" in flags:
+            common += ["--recovery-steps", str(args.recovery_steps)]
+        if kind == "width":
+            bias = "false" if scorer == "magnitude" or "nobias" in flags else "true"
+            report, run = run_stage(["prune-structured", *common, "--target-params", amount, "--bias-compensation", bias], out, "structure.json")
+        else:
+            report, run = run_stage(["drop-layers", *common, "--n", amount], out, "structure.json")
+        speed = decode_tokens_per_second(str(out))
+        metrics = flatten(evaluate(str(out), args.reference, None, evaluation))
+        row = {
+            "run": spec, "params (M)": round(report["params_after"] / 1e6, 1), "tokens/s": round(speed, 1), "speed vs base": round(speed / base_speed, 2),
+            "stage s": round(run["wall_time_s"], 1), "peak MB": round(run["peak_rss_bytes"] / 2**20),
+            "recovery KL first/last": f"{report['recovery_kl']['first']:.3f}/{report['recovery_kl']['last']:.3f}" if "recovery_kl" in report else "",
+            "dropped": report.get("dropped_layers", ""), **metrics,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    columns = ("tokens/s", "speed vs base", "stage s", "peak MB", "recovery KL first/last", "dropped")
+    print(write_quality_table(rows, args.out, "params (M)", columns))
+
+
+if __name__ == "__main__":
+    main()
