@@ -87,6 +87,20 @@ def test_global_allocation_gives_per_layer_widths_that_lmpress_loads(tmp_path, t
     torch.testing.assert_close(logits(loaded), logits(parent), rtol=1e-5, atol=1e-5)
 
 
+def test_block_influence_is_what_each_layer_does_to_its_input(tiny_setup):
+    """The calibration stage's block influence equals 1 - cos(h_i, h_i+1) from a full forward."""
+    from calibrate.stats import CalibrationData
+
+    folder, calibration = tiny_setup
+    data = CalibrationData(calibration)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        hidden = model(data.input_ids, output_hidden_states=True).hidden_states
+    for index, influence in enumerate(data.block_influence()[:-1]):  # the last hidden state is after the final norm
+        cos = torch.nn.functional.cosine_similarity(hidden[index], hidden[index + 1], dim=-1).mean().item()
+        assert influence == pytest.approx(1 - cos, abs=1e-5)
+
+
 @pytest.mark.parametrize("scorer", ["influence", "last"])
 def test_dropping_layers_gives_a_shallower_stock_checkpoint(tmp_path, tiny_setup, scorer):
     folder, calibration = tiny_setup
