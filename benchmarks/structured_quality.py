@@ -37,9 +37,9 @@ from pipelines.models import load_model  # noqa: E402
 from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
 
 DEFAULT_RUNS = ",".join([
-    *(f"width:{scorer}:{keep}" for keep in ("0.9", "0.8", "0.7") for scorer in ("flap", "magnitude")),
-    "width:flap:0.8:nobias", "width:flap:0.8:rec", "width:flap:0.7:rec",
-    *(f"drop:{scorer}:{n}" for n in (3, 6) for scorer in ("influence", "last")), "drop:influence:6:rec",
+    *(f"width:{run}" for keep in ("0.9", "0.8", "0.7") for run in (f"flap:{keep}", f"flap:{keep}:rec", f"magnitude:{keep}")),
+    "width:flap:0.8:nobias",
+    *(f"drop:{run}" for n in (3, 6) for run in (f"influence:{n}", f"influence:{n}:rec", f"last:{n}")),
 ])
 
 
