@@ -86,19 +86,24 @@ class UnitCosts:
         return UnitCosts(channel=3 * hidden, group=(2 * queries_per_group + 2) * head_dim * hidden)
 
 
+def removal_costs(scores: list[torch.Tensor], unit_params: int) -> list[torch.Tensor]:
+    """Per unit: its score over the mean score of its kind, times its parameter count."""
+    mean = torch.cat(scores).mean().clamp_min(1e-30)
+    return [s / mean * unit_params for s in scores]
+
+
 def uniform_allocation(
     channel_scores: list[torch.Tensor], group_scores: list[torch.Tensor], costs: UnitCosts, remove_params: int, drop_groups: int | None = None,
 ) -> tuple[int, int]:
     """How many MLP channels and head groups every layer loses (the same in each, so the model
-    keeps one config): of the splits that remove at least `remove_params`, the one that removes
-    the least score, each kind's scores divided by their mean over all layers so channels and
-    head groups compare (FLAP standardizes the two the same way). `drop_groups` fixes the
-    number of head groups instead."""
+    keeps one config): of the splits that remove at least `remove_params`, the one whose removed
+    units cost least, a unit's cost being its score relative to the mean of its kind (over all
+    layers) times its parameters: removing an average head group costs as much as removing
+    average channels of the same size. `drop_groups` fixes the number of head groups instead."""
     layers = len(channel_scores)
     channels, groups = channel_scores[0].numel(), group_scores[0].numel()
-    normalize = lambda scores: [s / torch.cat(scores).mean().clamp_min(1e-30) for s in scores]  # noqa: E731
-    sorted_channels = [s.sort().values.cumsum(0) for s in normalize(channel_scores)]
-    sorted_groups = [s.sort().values.cumsum(0) for s in normalize(group_scores)]
+    sorted_channels = [s.sort().values.cumsum(0) for s in removal_costs(channel_scores, costs.channel)]
+    sorted_groups = [s.sort().values.cumsum(0) for s in removal_costs(group_scores, costs.group)]
     best = None
     for drop_groups in range(groups) if drop_groups is None else [drop_groups]:  # at least one group stays
         left = remove_params - drop_groups * costs.group * layers
@@ -121,14 +126,12 @@ def global_allocation(
     channel_scores: list[torch.Tensor], group_scores: list[torch.Tensor], costs: UnitCosts, remove_params: int,
 ) -> tuple[list[int], list[int]]:
     """Per layer, how many MLP channels and head groups it loses, when layers may differ:
-    every unit of every layer in order of (score / its kind's mean score) per parameter, the
-    cheapest first, until `remove_params` are gone; a layer always keeps one channel and one
-    head group (FLAP's global allocation, with the two kinds standardized the same way)."""
+    every unit of every layer in order of removal cost per parameter (`removal_costs`: its
+    score relative to its kind's mean), the cheapest first, until `remove_params` are gone; a
+    layer always keeps one channel and one head group (FLAP's global allocation)."""
     layers = len(channel_scores)
-    channel_mean = torch.cat(channel_scores).mean().clamp_min(1e-30)
-    group_mean = torch.cat(group_scores).mean().clamp_min(1e-30)
-    units = [(float(s) / channel_mean / costs.channel, layer, 0) for layer, scores in enumerate(channel_scores) for s in scores]
-    units += [(float(s) / group_mean / costs.group, layer, 1) for layer, scores in enumerate(group_scores) for s in scores]
+    units = [(float(c) / costs.channel, layer, 0) for layer, layer_costs in enumerate(removal_costs(channel_scores, costs.channel)) for c in layer_costs]
+    units += [(float(c) / costs.group, layer, 1) for layer, layer_costs in enumerate(removal_costs(group_scores, costs.group)) for c in layer_costs]
     dropped = [[0] * layers, [0] * layers]  # [channels, groups][layer]
     limits = (channel_scores[0].numel() - 1, group_scores[0].numel() - 1)
     removed = 0
