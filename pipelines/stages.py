@@ -4,7 +4,6 @@ lineage manifest."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -567,9 +566,8 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     needs_statistics = config.needs_calibration or (calib is not None and not config.sequential)
     with atomic_directory(out) as tmp, progress_bar(f"prune ({config.method})", loaded.config.num_hidden_layers) as advance:
         walk_layers(loaded, calib if needs_statistics else None, config, prune_layer, advance)
-        pruning_s = time.perf_counter() - run.start
         record = {"stage": "prune", "params": asdict(config), "overrides": overrides, **calibration_record(calib)}
-        write_json(tmp / PRUNE_REPORT, {"linears": report, **_pruning_summary(report), "load_and_prune_s": round(pruning_s, 1)})
+        write_json(tmp / PRUNE_REPORT, {"linears": report, **_pruning_summary(report)})
         # served compressed: 2:4 linears (their kept half, fp16 or quantized), other quantized ones as grids
         served = {name: result if plan[name].is_24 else result.quantized for name, result in pruned.items()}
         compressed = {name: form for name, form in served.items() if form is not None}

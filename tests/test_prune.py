@@ -215,3 +215,12 @@ def test_per_layer_map_sets_each_linears_pattern(tmp_path, tiny_folder, tiny_cal
     assert linears["model.layers.0.self_attn.q_proj"]["zeros"] == 64 * 16  # a quarter of each 64-wide row
     assert linears["model.layers.1.self_attn.q_proj"]["pattern"] == "2:4"
     assert "objective" in linears["model.layers.1.self_attn.q_proj"]  # stored statistics at hand: magnitude reports it too
+
+
+def test_pruning_is_byte_identical_when_repeated(tmp_path, tiny_folder, tiny_calibration):
+    from pipelines.stages import PruneConfig, prune
+
+    config = PruneConfig(method="sparsegpt", pattern="2:4", sequential=True)
+    first, second = (prune(str(tiny_folder), tiny_calibration, tmp_path / name, config) for name in ("a", "b"))
+    for file in ("model.safetensors", "pruning.json", "compressed/model.safetensors", "compressed/config.json"):
+        assert (first / file).read_bytes() == (second / file).read_bytes(), file

@@ -180,3 +180,11 @@ def test_structured_bad_input_fails_cleanly(tmp_path, tiny_setup):
     result = run_cli("drop-layers", "--model", folder, "--n", "9", "--out", out, "--calibration", calibration)
     assert result.returncode == 2 and "would drop every layer" in result.stderr and "Traceback" not in result.stderr
     assert not out.exists() and not leftovers(out)
+
+
+def test_structured_pruning_is_byte_identical_when_repeated(tmp_path, tiny_setup):
+    folder, calibration = tiny_setup
+    config = StructuredConfig(target_params=0.99, recovery_steps=2)
+    first, second = (prune_structured(str(folder), calibration, tmp_path / name, config) for name in ("a", "b"))
+    for file in ("model.safetensors", "config.json", "structure.json"):
+        assert (first / file).read_bytes() == (second / file).read_bytes(), file
