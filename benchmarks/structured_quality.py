@@ -6,12 +6,13 @@
 Run spec: width:SCORER:KEEP[:nobias][:rec] (prune-structured keeping KEEP of the parameters;
 magnitude runs without bias compensation, the naive baseline; `nobias` turns it off for the
 others too) or drop:SCORER:N[:rec] (drop-layers, scorer influence or last); `rec` adds the
-recovery distillation (--recovery-steps, default 64 batches of 2 calibration windows).
+recovery distillation (--recovery-steps, default 16 batches of 2 calibration windows: about
+4 minutes on one core; 64 steps take about 20).
 
 Each command runs in its own process (its wall time and peak memory from the lineage), then
 `evaluate` on held-out Austen and pydoc text against the base's cached reference, and greedy
-decoding speed on one thread (batch 1, 64 new tokens, the median of 3), measured in this
-process for the base and every pruned model, reported as tokens/s and as a ratio to the base.
+decoding speed on one thread (batch 1, 64 new tokens; base and pruned model timed alternately,
+5 rounds each, medians: benchmarks/decode_speed.py), as tokens/s and as a ratio to the base.
 Results: benchmarks/results/structured_quality.{json,md}.
 """
 
@@ -22,7 +23,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,26 +33,15 @@ os.environ.setdefault("LMPRESS_QUIET", "1")
 import torch  # noqa: E402
 
 from benchmarks._report import flatten, run_stage, write_quality_table  # noqa: E402
+from benchmarks.decode_speed import side_by_side  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
 from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
 
 DEFAULT_RUNS = ",".join([
-    *(f"width:{run}" for keep in ("0.9", "0.8", "0.7") for run in (f"flap:{keep}", f"flap:{keep}:rec", f"magnitude:{keep}")),
-    "width:flap:0.8:nobias",
-    *(f"drop:{run}" for n in (3, 6) for run in (f"influence:{n}", f"influence:{n}:rec", f"last:{n}")),
+    *(f"width:{run}" for keep in ("0.9", "0.8", "0.7") for run in (f"flap:{keep}", f"magnitude:{keep}")),
+    "width:flap:0.8:nobias", "width:flap:0.9:rec", "width:flap:0.7:rec",
+    *(f"drop:{run}" for n in (3, 6) for run in (f"influence:{n}", f"last:{n}")), "drop:influence:6:rec",
 ])
-
-
-@torch.no_grad()
-def decode_tokens_per_second(spec: str, new_tokens: int = 64, repeats: int = 3) -> float:
-    loaded = load_model(spec)
-    ids = loaded.tokenizer("It is a truth universally acknowledged", return_tensors="pt").input_ids
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        loaded.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        times.append(time.perf_counter() - start)
-    return new_tokens / sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -61,15 +50,15 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
     parser.add_argument("--runs", default=DEFAULT_RUNS)
-    parser.add_argument("--recovery-steps", type=int, default=64)
+    parser.add_argument("--recovery-steps", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "structured_quality")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     evaluation = EvaluateConfig()
-    base_speed = decode_tokens_per_second(args.model)
+    base_model = load_model(args.model)
     base = flatten(evaluate(args.model, args.reference, None, evaluation))
-    rows = [{"run": "base (fp32)", "params (M)": round(base["parameters"] / 1e6, 1), "tokens/s": round(base_speed, 1), "speed vs base": 1.0, **base}]
+    rows = [{"run": "base (fp32)", "params (M)": round(base["parameters"] / 1e6, 1), "speed vs base": 1.0, **base}]
     work = Path(tempfile.mkdtemp())
     for spec in args.runs.split(","):
         kind, scorer, amount, *flags = spec.split(":")
@@ -82,7 +71,7 @@ def main() -> None:
             report, run = run_stage(["prune-structured", *common, "--target-params", amount, "--bias-compensation", bias], out, "structure.json")
         else:
             report, run = run_stage(["drop-layers", *common, "--n", amount], out, "structure.json")
-        speed = decode_tokens_per_second(str(out))
+        speed, base_speed = side_by_side(base_model, load_model(str(out)))
         metrics = flatten(evaluate(str(out), args.reference, None, evaluation))
         row = {
             "run": spec, "params (M)": round(report["params_after"] / 1e6, 1), "tokens/s": round(speed, 1), "speed vs base": round(speed / base_speed, 2),
