@@ -36,6 +36,10 @@ class Switch(str, Enum):
 
 
 MODEL_HELP = "Model: a local Hugging Face folder, a hub id (org/name, when online) or the built-in 'smollm2-135m'."
+# the recovery options prune-structured and drop-layers share
+RECOVERY_STEPS = typer.Option(0, "--recovery-steps", help="Distill from the parent for this many batches of calibration tokens (0: off).")
+RECOVERY_LR = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation.")
+RECOVERY_BATCH_SIZE = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step.")
 
 
 @app.command()
@@ -163,9 +167,9 @@ def prune_structured(
     bias_compensation: Switch = typer.Option(Switch.true, "--bias-compensation", help="Fold the pruned units' mean output into biases (Llama configs)."),
     keep_heads: int = typer.Option(0, "--keep-heads", help="Query heads to keep per layer, a whole number of KV groups (0: chosen with the MLP width)."),
     allocation: str = typer.Option("uniform", help="uniform (the same widths in every layer: a plain checkpoint) or global (per-layer widths, opened by lmpress's loader)."),
-    recovery_steps: int = typer.Option(0, "--recovery-steps", help="Distill from the parent for this many batches of calibration tokens (0: off)."),
-    recovery_lr: float = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation."),
-    batch_size: int = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step."),
+    recovery_steps: int = RECOVERY_STEPS,
+    recovery_lr: float = RECOVERY_LR,
+    batch_size: int = RECOVERY_BATCH_SIZE,
 ):
     """Remove MLP channels and attention head groups (the same in every layer): a smaller model stock transformers opens."""
     from pipelines.stages import StructuredConfig, prune_structured as run
@@ -185,9 +189,9 @@ def drop_layers(
     calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (block influence, recovery)."),
     n: int = typer.Option(4, "--n", help="Decoder layers to drop."),
     scorer: str = typer.Option("influence", help="influence (layers that change their input least) or last (the last layers, the baseline)."),
-    recovery_steps: int = typer.Option(0, "--recovery-steps", help="Distill from the parent for this many batches of calibration tokens (0: off)."),
-    recovery_lr: float = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation."),
-    batch_size: int = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step."),
+    recovery_steps: int = RECOVERY_STEPS,
+    recovery_lr: float = RECOVERY_LR,
+    batch_size: int = RECOVERY_BATCH_SIZE,
 ):
     """Drop whole decoder layers: a shallower model stock transformers opens."""
     from pipelines.stages import DropLayersConfig, drop_layers as run
