@@ -16,7 +16,6 @@ forward passes), with it each layer's statistics are re-collected on the pruned 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import flatten, run_stage, write_quality_table  # noqa: E402
+from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table  # noqa: E402
 from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
 
 DEFAULT_RUNS = ",".join(
@@ -37,12 +36,7 @@ DEFAULT_RUNS = ",".join(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
-    parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
-    parser.add_argument("--runs", default=DEFAULT_RUNS)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prune_quality")
+    parser = quality_arguments(DEFAULT_RUNS, "prune_quality")
     args = parser.parse_args()
 
     evaluation = EvaluateConfig()

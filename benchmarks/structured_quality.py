@@ -18,7 +18,6 @@ Results: benchmarks/results/structured_quality.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,7 +31,7 @@ os.environ.setdefault("LMPRESS_QUIET", "1")
 
 import torch  # noqa: E402
 
-from benchmarks._report import flatten, run_stage, write_quality_table  # noqa: E402
+from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table  # noqa: E402
 from benchmarks.decode_speed import side_by_side  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
 from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
@@ -45,13 +44,8 @@ DEFAULT_RUNS = ",".join([
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
-    parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
-    parser.add_argument("--runs", default=DEFAULT_RUNS)
+    parser = quality_arguments(DEFAULT_RUNS, "structured_quality")
     parser.add_argument("--recovery-steps", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "structured_quality")
     args = parser.parse_args()
     torch.set_num_threads(1)
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from pipelines.artifact import read_json, read_lineage
 from pipelines.errors import LmpressError, require
+from pipelines.models import head_dim_of
 
 CALIBRATION_FORMAT = "lmpress-calibration/1"
 BLOCK_INFLUENCE = "block.influence"  # 1 - mean cos(layer input, layer output) over all tokens
@@ -67,7 +68,7 @@ class LayerStatisticsCollector:
         self.group: dict[str, str] = {}  # linear -> first linear reading the same tensor
         self._first_inputs: list[tuple[str, torch.Tensor]] = []
         self.moments: dict[str, _Moments] = {}
-        heads, head_dim = config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads, head_dim = config.num_key_value_heads, head_dim_of(config)
         self.similarity = {"k": _HeadSimilarity(heads, head_dim), "v": _HeadSimilarity(heads, head_dim)}
         self._handles = []
 

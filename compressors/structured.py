@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pipelines.errors import require
+from pipelines.models import head_dim_of
 
 SCORERS = ("flap", "wanda-sp", "magnitude")
 
@@ -66,10 +67,6 @@ def groups_to_drop(config, keep_heads: int) -> int:
         f"keep one of {', '.join(map(str, valid))}",
     )
     return config.num_key_value_heads - keep_heads // per_group
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 @dataclass(frozen=True)

@@ -76,10 +76,14 @@ def layer_linears(model: nn.Module, layer: nn.Module) -> dict[str, nn.Linear]:
     return {name: layer.get_submodule(name) for name in architecture_of(model.config).linears}
 
 
+def head_dim_of(config) -> int:
+    """Per-head width: the config's own, or hidden_size / heads where it does not say."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def kv_cache_bytes_per_token(config, bytes_per_value: int = 2) -> int:
     """Keys and values of every layer for one token, at the serving dtype (fp16 by default)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * bytes_per_value
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * bytes_per_value
 
 
 # --------------------------------------------------------------------------- built-in models

@@ -27,7 +27,7 @@ from pipelines.artifact import (
 )
 from pipelines.errors import require
 from pipelines.evaluation import LMHead, score_windows, size_metrics
-from pipelines.models import architecture_of, decoder_layers, layer_linears, load_config, load_model, resolve_model
+from pipelines.models import architecture_of, decoder_layers, head_dim_of, layer_linears, load_config, load_model, resolve_model
 from pipelines.progress import progress_bar
 
 
@@ -644,7 +644,7 @@ def prune_structured(model: str, calibration: Path | None, out: Path, config: St
     parameters remain: the same number in every layer (a plain, smaller HF checkpoint) or,
     with global allocation, per layer (widths recorded in config.json for lmpress's loader)."""
     from compressors.structured import (
-        UnitCosts, global_allocation, groups_to_drop, head_dim_of, head_group_scores, mlp_channel_scores, prune_heads, prune_mlp,
+        UnitCosts, global_allocation, groups_to_drop, head_group_scores, mlp_channel_scores, prune_heads, prune_mlp,
         uniform_allocation,
     )
     from pipelines.models import LAYER_WIDTHS
@@ -666,7 +666,8 @@ def prune_structured(model: str, calibration: Path | None, out: Path, config: St
         "pass --bias-compensation false",
     )
     layers = decoder_layers(loaded.model)
-    stats = [calib.layer(index) if calib is not None else {} for index in range(len(layers))]
+    used = ("mlp.down_proj", "self_attn.o_proj")  # the inputs whose statistics score and compensate
+    stats = [{k: v for k, v in calib.layer(i).items() if k in used} if calib is not None else {} for i in range(len(layers))]
     channel_scores = [mlp_channel_scores(layer.mlp, stats[i].get("mlp.down_proj"), config.scorer) for i, layer in enumerate(layers)]
     group_scores = [head_group_scores(layer.self_attn, stats[i].get("self_attn.o_proj"), model_config, config.scorer) for i, layer in enumerate(layers)]
     before = sum(p.numel() for p in loaded.model.parameters())

@@ -53,7 +53,7 @@ def test_wanda_and_sparsegpt_beat_magnitude_and_refinement_never_hurts(text):
         assert torch.equal(refined_keep.sum(dim=1), keep.sum(dim=1))  # sparsity per row unchanged
         if pattern.structured:
             assert (refined_keep.reshape(48, -1, 4).sum(dim=2) == 2).all()
-        assert torch.equal(refined == 0, ~refined_keep) or (refined[~refined_keep] == 0).all()
+        assert (refined[~refined_keep] == 0).all()  # pruned weights are exact zeros
     refined, _ = refine_mask(weight, weight * magnitude, magnitude, sigma, pattern)
     assert objective(refined) < 0.9 * objective(weight * magnitude)  # it does find better masks
 
