@@ -211,6 +211,18 @@ def walk_layers(loaded, calib, config, process, advance) -> None:
         advance()
 
 
+def begin_stage(model: str, calibration: Path | None, out: Path, method: str, needs_calibration: bool):
+    """What every compression stage does first: check the output path and that calibration is
+    given where needed (before any loading), start the clock, load the model, and open the
+    calibration artifact checked against the model's base. Returns (run, loaded, chain, calib)."""
+    require_directory_target(out)
+    require_calibration(calibration, method, needs_calibration)
+    run = StageRun()
+    loaded = load_model(model)
+    chain = model_chain(model, loaded.folder, loaded.config)
+    return run, loaded, chain, open_calibration(calibration, chain)
+
+
 def require_calibration(calibration: Path | None, method: str, needed: bool) -> None:
     require(calibration is not None or not needed, f"method {method} needs --calibration (run `lmpress calibrate`)")
 
@@ -367,12 +379,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from pipelines.serving import bundle_kernels, validate
 
     config.validate()
-    require_directory_target(out)
-    require_calibration(calibration, config.method, config.method in CALIBRATED_METHODS)
-    run = StageRun()
-    loaded = load_model(model)
-    chain = model_chain(model, loaded.folder, loaded.config)
-    calib = open_calibration(calibration, chain)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, config.method, config.method in CALIBRATED_METHODS)
     overrides = load_overrides(config.overrides)
     plan = quantization_plan(loaded.model, config, overrides)
     arch = architecture_of(loaded.config)
@@ -528,12 +535,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     from pipelines.serving import bundle_kernels, validate
 
     config.validate()
-    require_directory_target(out)
-    require_calibration(calibration, config.method if not config.refine else f"{config.method} --refine", config.needs_calibration)
-    run = StageRun()
-    loaded = load_model(model)
-    chain = model_chain(model, loaded.folder, loaded.config)
-    calib = open_calibration(calibration, chain)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, config.method if not config.refine else f"{config.method} --refine", config.needs_calibration)
     overrides = load_overrides(config.overrides)
     plan = pruning_plan(loaded.model, config, overrides)
     require(bool(plan), "nothing to prune: every linear was skipped")
@@ -650,13 +652,8 @@ def prune_structured(model: str, calibration: Path | None, out: Path, config: St
     from pipelines.models import LAYER_WIDTHS
 
     config.validate()
-    require_directory_target(out)
-    needs_statistics = config.scorer != "magnitude" or config.bias_compensation or config.recovery_steps
-    require_calibration(calibration, f"prune-structured --scorer {config.scorer}", needs_statistics)
-    run = StageRun()
-    loaded = load_model(model)
-    chain = model_chain(model, loaded.folder, loaded.config)
-    calib = open_calibration(calibration, chain)
+    needs_statistics = config.scorer != "magnitude" or config.bias_compensation or config.recovery_steps > 0
+    run, loaded, chain, calib = begin_stage(model, calibration, out, f"prune-structured --scorer {config.scorer}", needs_statistics)
     arch, model_config = architecture_of(loaded.config), loaded.config
     require(arch.attention[0] == "self_attn.q_proj" and arch.mlp[-1] == "mlp.down_proj", f"{model_config.model_type} is not a q/k/v/o + gate/up/down model")
     biased = config.bias_compensation
@@ -713,12 +710,7 @@ def drop_layers(model: str, calibration: Path | None, out: Path, config: DropLay
     """Remove whole decoder layers: those with the lowest block influence (how much a layer
     turns its input, from the calibration statistics), or the last ones; a plain HF checkpoint."""
     config.validate()
-    require_directory_target(out)
-    require_calibration(calibration, f"drop-layers --scorer {config.scorer}", config.scorer == "influence" or config.recovery_steps > 0)
-    run = StageRun()
-    loaded = load_model(model)
-    chain = model_chain(model, loaded.folder, loaded.config)
-    calib = open_calibration(calibration, chain)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, f"drop-layers --scorer {config.scorer}", config.scorer == "influence" or config.recovery_steps > 0)
     layers = decoder_layers(loaded.model)
     require(
         config.n < len(layers),
