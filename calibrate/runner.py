@@ -128,6 +128,31 @@ class LayerRunner:
                 self.on_layer_done(index)
 
     @torch.no_grad()
+    def capture_inputs(self, layer: nn.Module, module: nn.Module) -> list[tuple[tuple, dict]]:
+        """The (args, kwargs) that `module`, a part of the current layer, is called with on every
+        batch. The layer runs only up to that call, so capturing costs almost nothing."""
+        captured = []
+
+        class Captured(Exception):
+            pass
+
+        def stop(_, args, kwargs):
+            captured.append((args, kwargs))
+            raise Captured
+
+        handle = module.register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            with _running_in(layer, self.dtype):
+                for hidden, (args, kwargs) in zip(self.hidden, self.calls[self._index]):
+                    try:
+                        layer(hidden, *_to(args, self.device, self.dtype), **_to(kwargs, self.device, self.dtype))
+                    except Captured:
+                        pass
+        finally:
+            handle.remove()
+        return captured
+
+    @torch.no_grad()
     def forward(self, layer: nn.Module, propagate: bool = True) -> None:
         """Run the current layer on every batch of samples (hooks on it see the real inputs).
         With `propagate`, its outputs become the inputs of the next layer."""

@@ -31,7 +31,7 @@ CALIBRATION_FORMAT = "lmpress-calibration/1"
 BLOCK_INFLUENCE = "block.influence"  # 1 - mean cos(layer input, layer output) over all tokens
 
 
-class _Moments:
+class Moments:
     def __init__(self, features: int):
         self.count = 0
         self.xtx = torch.zeros(features, features, dtype=torch.float64)
@@ -47,7 +47,7 @@ class _Moments:
         self.count += x.shape[0]
 
 
-class _HeadSimilarity:
+class HeadSimilarity:
     """Token-averaged cosine similarity between heads of a k/v projection output."""
 
     def __init__(self, heads: int, head_dim: int):
@@ -67,9 +67,9 @@ class LayerStatisticsCollector:
         self.linears = linears
         self.group: dict[str, str] = {}  # linear -> first linear reading the same tensor
         self._first_inputs: list[tuple[str, torch.Tensor]] = []
-        self.moments: dict[str, _Moments] = {}
+        self.moments: dict[str, Moments] = {}
         heads, head_dim = config.num_key_value_heads, head_dim_of(config)
-        self.similarity = {"k": _HeadSimilarity(heads, head_dim), "v": _HeadSimilarity(heads, head_dim)}
+        self.similarity = {"k": HeadSimilarity(heads, head_dim), "v": HeadSimilarity(heads, head_dim)}
         self._handles = []
 
     def _hook(self, name: str):
@@ -80,7 +80,7 @@ class LayerStatisticsCollector:
                 self.group[name] = leader
                 self._first_inputs.append((name, x))
                 if leader == name:
-                    self.moments[name] = _Moments(x.shape[-1])
+                    self.moments[name] = Moments(x.shape[-1])
                 if len(self.group) == len(self.linears):
                     self._first_inputs.clear()  # drop the references to the first batch
             if self.group[name] == name:
@@ -161,6 +161,14 @@ class CalibrationData:
     @property
     def input_ids(self) -> torch.Tensor:
         return load_file(self.folder / "samples.safetensors")["input_ids"]
+
+    def spread_samples(self, count: int) -> torch.Tensor:
+        """`count` windows evenly spaced over the stored ones (which are grouped by corpus part,
+        so the first few would all come from one part); all of them when count is larger."""
+        ids = self.input_ids
+        if count >= ids.shape[0]:
+            return ids
+        return ids[torch.linspace(0, ids.shape[0] - 1, count).round().long()]
 
     def check_model(self, base_weights_sha256: str) -> None:
         calibrated = self.lineage["chain"][0]["weights_sha256"]

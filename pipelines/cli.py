@@ -201,6 +201,27 @@ def drop_layers(
     out_console.print(f"shallower model written to {path}", markup=False, highlight=False)
 
 
+@app.command("kv-merge")
+def kv_merge(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the merged model; replaced only when complete."),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (grouping, the aligned fit, healing)."),
+    kv_heads: int = typer.Option(..., "--kv-heads", help="KV heads per layer after merging: a divisor of the current count (1: multi-query attention)."),
+    method: str = typer.Option("aligned", help="aligned (shared heads fitted on calibration data, corrections folded into q_proj/o_proj) or mean (average the heads, the baseline)."),
+    samples: int = typer.Option(64, help="Calibration windows the merge reads."),
+    damp: float = typer.Option(0.01, help="Ridge of the o_proj least-squares refit, relative to its mean diagonal."),
+    heal_steps: int = typer.Option(0, "--heal-steps", help="Distill from the parent for this many batches of calibration tokens (0: off)."),
+    heal_lr: float = typer.Option(5e-5, "--heal-lr", help="Learning rate of the healing distillation."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Calibration windows per forward pass and per healing step."),
+):
+    """Merge KV heads (MHA -> GQA -> MQA): a smaller KV cache, a plain config stock transformers opens."""
+    from pipelines.stages import KVMergeConfig, kv_merge as run
+
+    config = KVMergeConfig(kv_heads=kv_heads, method=method, samples=samples, damp=damp, heal_steps=heal_steps, heal_lr=heal_lr, batch_size=batch_size)
+    path = run(model, calibration, out, config)
+    out_console.print(f"merged model written to {path}", markup=False, highlight=False)
+
+
 @app.command()
 def validate(
     artifact: Path = typer.Argument(..., help="A quantized (pack-quantized) artifact."),

@@ -233,13 +233,19 @@ def weights_hash(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def load_config(folder: Path):
+def read_config(folder: Path):
+    """The folder's transformers config, whatever its architecture."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as error:
         raise LmpressError(f"{folder}/config.json cannot be read as a transformers config ({error})") from error
+
+
+def load_config(folder: Path):
+    """The folder's config, checked to be an architecture lmpress supports."""
+    config = read_config(folder)
     architecture_of(config)
     return config
 

@@ -702,7 +702,7 @@ def prune_structured(model: str, calibration: Path | None, out: Path, config: St
         if biased:
             model_config.mlp_bias = model_config.attention_bias = True
         report = {"params_before": before, "mlp_channels_dropped": drop_channels, "head_groups_dropped": drop_groups, "kept": kept}
-        _finish_smaller_model(loaded, model, calib, config, tmp, report, {"stage": "prune-structured", "params": asdict(config)}, chain, run)
+        _finish_smaller_model(loaded, model, calib, _recovery(config), tmp, report, {"stage": "prune-structured", "params": asdict(config)}, chain, run)
     return Path(out)
 
 
@@ -731,20 +731,130 @@ def drop_layers(model: str, calibration: Path | None, out: Path, config: DropLay
         if getattr(loaded.config, "layer_types", None):  # per-layer attention kinds (sliding / full)
             loaded.config.layer_types = [kind for i, kind in enumerate(loaded.config.layer_types) if i not in dropped]
         report = {"dropped_layers": dropped, "block_influence": influence}
-        _finish_smaller_model(loaded, model, calib, config, tmp, report, {"stage": "drop-layers", "params": asdict(config)}, chain, run)
+        _finish_smaller_model(loaded, model, calib, _recovery(config), tmp, report, {"stage": "drop-layers", "params": asdict(config)}, chain, run)
     return Path(out)
 
 
-def _finish_smaller_model(loaded, parent: str, calib, config, tmp: Path, report: dict, record: dict, chain, run) -> None:
-    """Optional recovery by distillation from the parent, then the checkpoint, report and lineage."""
+# --------------------------------------------------------------------------- KV-head merging
+
+
+@dataclass
+class KVMergeConfig:
+    kv_heads: int = 1  # KV heads per layer after merging; must divide the current count
+    method: str = "aligned"  # mean (average the merged heads) | aligned (calibration-fitted, see compressors/kvmerge.py)
+    samples: int = 64  # calibration windows the merge reads (evenly spread over the stored ones): grouping and the o_proj refit
+    damp: float = 0.01  # ridge of the o_proj refit, relative to the mean diagonal
+    heal_steps: int = 0  # > 0: distill from the parent for this many batches of calibration tokens
+    heal_lr: float = 5e-5
+    batch_size: int = 4  # windows per forward (merge) and per step (heal)
+
+    def validate(self) -> None:
+        from compressors.kvmerge import METHODS
+
+        require(self.method in METHODS, f"unknown method '{self.method}'; use one of {', '.join(METHODS)}")
+        require(self.kv_heads >= 1, f"--kv-heads must be at least 1 (got {self.kv_heads})")
+        require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+        require(self.heal_steps >= 0, f"heal steps must be 0 (off) or positive (got {self.heal_steps})")
+        require(self.heal_lr > 0, f"heal lr must be positive (got {self.heal_lr})")
+        require_positive(samples=self.samples, batch_size=self.batch_size)
+
+
+def _check_kv_merge_target(model: str, kv_heads: int) -> None:
+    """What kv-merge needs of the model, checked on its config before any weight is read."""
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.models import LAYER_WIDTHS, read_config
+
+    config = read_config(resolve_model(model))
+    with torch.device("meta"):  # the module tree only, no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    attention = next((m for m in skeleton.modules() if type(m).__name__.endswith("Attention")), None)
+    require(
+        attention is not None and all(hasattr(attention, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        f"{config.model_type} has no separate k_proj and v_proj (its attention projects keys and values together); "
+        "kv-merge needs Llama-style q/k/v/o projections",
+    )
+    architecture_of(config)
+    require(not getattr(config, LAYER_WIDTHS, None), f"{model} has per-layer widths; kv-merge needs the same KV heads in every layer")
+    heads, current = config.num_attention_heads, config.num_key_value_heads
+    require(kv_heads <= current, f"--kv-heads {kv_heads} is more than the model's {current} KV heads; merging only reduces them")
+    require(heads % kv_heads == 0, f"--kv-heads {kv_heads} does not divide the {heads} query heads; use a divisor of {current}")
+    require(current % kv_heads == 0, f"--kv-heads {kv_heads} does not divide the {current} KV heads into equal groups; use a divisor of {current}")
+
+
+def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeConfig) -> Path:
+    """Merge each layer's KV heads into `kv_heads` (see compressors/kvmerge.py), layer by layer
+    on the calibration windows (each layer is fitted on the outputs of the already-merged ones),
+    optionally heal by distillation from the parent; a plain GQA checkpoint."""
+    from compressors.kvmerge import AttentionHeads, AttentionInputStatistics, OutputRefit, balanced_groups, merge_heads
+    from pipelines.models import kv_cache_bytes_per_token
+
+    config.validate()
+    _check_kv_merge_target(model, config.kv_heads)
+    kv_before = load_config(resolve_model(model)).num_key_value_heads
+    grouping = 1 < config.kv_heads < kv_before  # with one group, or one head a group, there is nothing to choose
+    needs_calibration = config.method == "aligned" or grouping or config.heal_steps > 0
+    run, loaded, chain, calib = begin_stage(model, calibration, out, f"kv-merge --method {config.method}", needs_calibration)
+    model_config = loaded.config
+    require(
+        config.method == "mean" or config.kv_heads == kv_before or not hasattr(decoder_layers(loaded.model)[0].self_attn, "k_norm"),
+        f"{model_config.model_type} normalizes each key head (k_norm), which the aligned merge's RoPE-commuting key fold "
+        "cannot pass through; use --method mean",
+    )
+    shape = (model_config.num_attention_heads, kv_before, head_dim_of(model_config))
+    softcap = getattr(model_config, "attn_logit_softcapping", None)
+    seed = calib.manifest["seed"] if calib is not None else 0
+    report = {"kv_heads_before": kv_before, "kv_heads_after": config.kv_heads, "groups": {}}
+
+    def merge_layer(index: int, layer, inputs: list) -> None:
+        """`inputs`: the attention's calls on the calibration batches (none without calibration)."""
+        attention = layer.self_attn
+        heads = AttentionHeads.of(attention, *shape)
+        statistics = AttentionInputStatistics(attention, inputs) if inputs else None
+        groups = balanced_groups(statistics.head_similarity if grouping else None, config.kv_heads, kv_before, seed)
+        merged, order = merge_heads(heads, groups, config.method, heads.input_moment(statistics) if statistics else None)
+        if config.method == "aligned":
+            refit = OutputRefit(heads, merged, order, attention.scaling, softcap)
+            for _, kwargs in inputs:
+                refit.add(kwargs["hidden_states"], *kwargs["position_embeddings"], kwargs.get("attention_mask"))
+            merged.o = refit.solve(config.damp)
+        merged.write(attention, attention.q_proj.weight.dtype)
+        attention.num_key_value_groups = shape[0] // config.kv_heads  # what HF's attention repeats keys by
+        report["groups"][index] = groups
+
+    with atomic_directory(out) as tmp, progress_bar(f"kv-merge ({config.method})", model_config.num_hidden_layers) as advance:
+        if needs_calibration:  # layer by layer: each layer is fitted on the outputs of the merged ones before it
+            runner = LayerRunner(loaded.model, calib.spread_samples(config.samples), config.batch_size, on_layer_done=lambda _: advance())
+            for index, layer in runner:
+                merge_layer(index, layer, runner.capture_inputs(layer, layer.self_attn))
+        else:
+            for index, layer in enumerate(decoder_layers(loaded.model)):
+                merge_layer(index, layer, [])
+                advance()
+        report["kv_cache_bytes_per_token_fp16"] = {"before": kv_cache_bytes_per_token(model_config)}
+        model_config.num_key_value_heads = config.kv_heads
+        report["kv_cache_bytes_per_token_fp16"]["after"] = kv_cache_bytes_per_token(model_config)
+        recovery = (config.heal_steps, config.heal_lr, config.batch_size)
+        _finish_smaller_model(loaded, model, calib, recovery, tmp, report, {"stage": "kv-merge", "params": asdict(config)}, chain, run)
+    return Path(out)
+
+
+def _recovery(config) -> tuple[int, float, int]:
+    return config.recovery_steps, config.recovery_lr, config.batch_size
+
+
+def _finish_smaller_model(loaded, parent: str, calib, recovery: tuple[int, float, int], tmp: Path, report: dict, record: dict, chain, run) -> None:
+    """Optional recovery by distillation from the parent (`recovery`: steps, learning rate,
+    windows per step; 0 steps: none), then the checkpoint, report and lineage."""
     from compressors.recovery import distill
 
+    steps, lr, batch_size = recovery
     report["params_after"] = sum(p.numel() for p in loaded.model.parameters())
-    if config.recovery_steps:
+    if steps:
         teacher = load_model(parent).model
-        with progress_bar("recovery (distillation)", config.recovery_steps) as advance:
+        with progress_bar("recovery (distillation)", steps) as advance:
             losses = distill(
-                loaded.model, teacher, calib.input_ids, config.recovery_steps, config.recovery_lr, config.batch_size,
+                loaded.model, teacher, calib.input_ids, steps, lr, batch_size,
                 seed=calib.manifest["seed"], on_step=lambda *_: advance(),
             )
         report["recovery_kl"] = {"first": losses[0], "last": losses[-1]}

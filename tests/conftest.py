@@ -59,19 +59,26 @@ def real_tokenizer(real_model_folder):
     return AutoTokenizer.from_pretrained(real_model_folder)
 
 
-@pytest.fixture
-def tiny_folder(tmp_path, real_model_folder) -> Path:
-    """A tiny Llama saved as a HF folder with the real tokenizer (vocab sized to match)."""
+def save_tiny(folder: Path, config, tokenizer_folder: Path, calibration: Path | None = None) -> Path:
+    """A random-init model of `config` saved as a HF folder with the real tokenizer (vocab sized
+    to match); with `calibration`, also its calibration artifact (8 windows of 32 tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = tiny_config("llama")
     config.vocab_size = 49152
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    folder = tmp_path / "tiny"
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(real_model_folder).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(folder)
+    if calibration is not None:
+        from pipelines.stages import CalibrateConfig, calibrate
+
+        calibrate(str(folder), calibration, CalibrateConfig(samples=8, seq_len=32, batch_size=4))
     return folder
+
+
+@pytest.fixture
+def tiny_folder(tmp_path, real_model_folder) -> Path:
+    """A tiny Llama saved as a HF folder with the real tokenizer."""
+    return save_tiny(tmp_path / "tiny", tiny_config("llama"), real_model_folder)
 
 
 def run_cli(*args, cwd=None, timeout=600, env=None) -> subprocess.CompletedProcess:

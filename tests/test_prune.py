@@ -81,18 +81,10 @@ def test_bad_patterns_are_refused(text, message):
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory, real_model_folder):
     """A tiny Llama folder and its calibration artifact, shared by this module's stage tests."""
-    from conftest import tiny_model
-    from pipelines.stages import CalibrateConfig, calibrate
-    from transformers import AutoTokenizer
+    from conftest import save_tiny, tiny_config
 
     root = tmp_path_factory.mktemp("prune")
-    model = tiny_model("llama")
-    model.config.vocab_size = 49152
-    model.resize_token_embeddings(49152)
-    model.save_pretrained(root / "tiny")
-    AutoTokenizer.from_pretrained(real_model_folder).save_pretrained(root / "tiny")
-    calibrate(str(root / "tiny"), root / "calib", CalibrateConfig(samples=8, seq_len=32, batch_size=4))
-    return root / "tiny", root / "calib"
+    return save_tiny(root / "tiny", tiny_config("llama"), real_model_folder, root / "calib"), root / "calib"
 
 
 @pytest.fixture

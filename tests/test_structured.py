@@ -17,19 +17,10 @@ from pipelines.stages import DropLayersConfig, StructuredConfig, drop_layers, pr
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory, real_model_folder):
     """A tiny Llama (real tokenizer) and its calibration artifact."""
-    from transformers import AutoTokenizer
-
-    from conftest import tiny_config
-    from pipelines.stages import CalibrateConfig, calibrate
+    from conftest import save_tiny, tiny_config
 
     root = tmp_path_factory.mktemp("structured")
-    config = tiny_config("llama")
-    config.vocab_size = 49152
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "tiny")
-    AutoTokenizer.from_pretrained(real_model_folder).save_pretrained(root / "tiny")
-    calibrate(str(root / "tiny"), root / "calib", CalibrateConfig(samples=8, seq_len=32, batch_size=4))
-    return root / "tiny", root / "calib"
+    return save_tiny(root / "tiny", tiny_config("llama"), real_model_folder, root / "calib"), root / "calib"
 
 
 def logits(model, seed=0):
