@@ -28,6 +28,7 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     params["evaluate"].update(windows=1, seq_len=64)
     params["quantize"].update(batch_size=2)
     params["prune"].update(method="magnitude", batch_size=2)  # the stage wiring, not SparseGPT's speed
+    params["kv_merge"].update(samples=2, batch_size=2)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     dvc("init", "-q", cwd=tmp_path)
@@ -38,10 +39,11 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     assert (tmp_path / "artifacts/quantized/lineage.json").is_file()
     assert (tmp_path / "artifacts/pruned/compressed/validation.json").is_file()
     again = dvc("repro", cwd=tmp_path)
-    assert (tmp_path / "artifacts/pruned-structured/structure.json").is_file() and (tmp_path / "artifacts/dropped/structure.json").is_file()
+    for smaller in ("pruned-structured", "dropped", "kv-merged"):
+        assert (tmp_path / f"artifacts/{smaller}/structure.json").is_file()
     stages = ("calibrate", "evaluate_base", "prune", "evaluate_pruned", "prune_structured", "evaluate_structured", "drop_layers", "evaluate_dropped")
-    for stage in (*stages, "quantize", "evaluate_quantized"):
+    for stage in (*stages, "kv_merge", "evaluate_kv_merged", "quantize", "evaluate_quantized"):
         assert f"Stage '{stage}' didn't change, skipping" in again
     shown = dvc("metrics", "show", cwd=tmp_path)
-    assert "metrics/base.json" in shown and "metrics/quantized.json" in shown and "metrics/pruned.json" in shown
+    assert "metrics/base.json" in shown and "metrics/quantized.json" in shown and "metrics/pruned.json" in shown and "metrics/kv-merged.json" in shown
     assert "austen-heldout.kl_to_base" in shown and "pydoc-heldout.perplexity" in shown

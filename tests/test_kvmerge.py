@@ -181,3 +181,19 @@ def test_kv_merge_is_byte_identical_when_repeated(tmp_path, mha_setup):
     first, second = (kv_merge(str(folder), calibration, tmp_path / name, config) for name in ("a", "b"))
     for file in ("model.safetensors", "config.json", "structure.json"):
         assert (first / file).read_bytes() == (second / file).read_bytes(), file
+
+
+def test_aligned_merge_beats_mean_pooling_on_the_real_model(tmp_path, real_model_folder):
+    """SmolLM2-135M, 3 KV heads -> 1, on held-out text: the calibration-aware merge keeps far
+    more of the model than mean-pooling (benchmarks/kvmerge_quality.py has the full numbers)."""
+    from pipelines.stages import CalibrateConfig, EvaluateConfig, calibrate, evaluate
+
+    calibration = calibrate(str(real_model_folder), tmp_path / "calib", CalibrateConfig(samples=8, seq_len=256, batch_size=4))
+    evaluation = EvaluateConfig(corpora="austen-heldout", windows=2, seq_len=256)
+    kl = {}
+    for method in ("mean", "aligned"):
+        out = kv_merge(str(real_model_folder), calibration, tmp_path / method, KVMergeConfig(kv_heads=1, method=method, samples=8))
+        assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 1
+        kl[method] = evaluate(str(out), tmp_path / "reference", None, evaluation)["austen-heldout"]["kl_to_base"]
+    print(kl)
+    assert kl["aligned"] < 0.5 * kl["mean"], kl
