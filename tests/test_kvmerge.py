@@ -52,7 +52,7 @@ def merge_layer(attention, config, groups, method, inputs):
     return merged
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])  # qwen2: q/k/v biases; gemma2: logit soft-capping
 @pytest.mark.parametrize("method,kv_heads", [("mean", 4), ("aligned", 4), ("aligned", 2), ("aligned", 1)])
 def test_stock_attention_computes_what_lmpress_merged(family, method, kv_heads):
     torch.manual_seed(0)
@@ -65,7 +65,8 @@ def test_stock_attention_computes_what_lmpress_merged(family, method, kv_heads):
     assert attention.q_proj.out_features == attention.o_proj.in_features == 8 * 16
     with torch.no_grad():
         stock, _ = attention(**inputs)
-        ours = attention_outputs(merged, x, *inputs["position_embeddings"], inputs["attention_mask"], attention.scaling, None).flatten(2) @ attention.o_proj.weight.T
+        softcap = getattr(model.config, "attn_logit_softcapping", None)
+        ours = attention_outputs(merged, x, *inputs["position_embeddings"], inputs["attention_mask"], attention.scaling, softcap).flatten(2) @ attention.o_proj.weight.T
     if attention.o_proj.bias is not None:
         ours = ours + attention.o_proj.bias
     torch.testing.assert_close(stock, ours, rtol=1e-4, atol=1e-5)
@@ -114,7 +115,8 @@ def lmpress_forward_logits(folder):
     def forward(attention):
         def run(hidden_states, position_embeddings, attention_mask=None, **_):
             heads = AttentionHeads.of(attention, config.num_attention_heads, config.num_key_value_heads, attention.head_dim)
-            out = attention_outputs(heads, hidden_states, *position_embeddings, attention_mask, attention.scaling, None)
+            softcap = getattr(config, "attn_logit_softcapping", None)
+            out = attention_outputs(heads, hidden_states, *position_embeddings, attention_mask, attention.scaling, softcap)
             return attention.o_proj(out.flatten(2).float()), None
 
         return run
@@ -138,6 +140,15 @@ def test_mha_merges_to_stock_gqa_checkpoints(tmp_path, mha_setup, method):
         assert all(sorted(map(len, groups)) == [previous // kv_heads] * kv_heads for groups in report["groups"].values())
         torch.testing.assert_close(logits(stock), lmpress_forward_logits(out), rtol=1e-4, atol=1e-4)
         parent, previous = out, kv_heads
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])  # sliding-window masks; soft-capping
+def test_other_families_merge_to_stock_checkpoints(tmp_path, family, real_model_folder):
+    folder = save_tiny(tmp_path / family, mha_config(family), real_model_folder, tmp_path / "calib")
+    out = kv_merge(str(folder), tmp_path / "calib", tmp_path / "kv", KVMergeConfig(kv_heads=2, samples=8))
+    stock = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert stock.config.num_key_value_heads == 2
+    torch.testing.assert_close(logits(stock), lmpress_forward_logits(out), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("method", ["mean", "aligned"])
