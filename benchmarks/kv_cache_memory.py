@@ -1,7 +1,7 @@
 """KV-cache memory of long-context generation on the CPU: a base model and its KV-merged
 descendants, measured side by side in one run.
 
-    .venv/bin/python benchmarks/kv_cache_memory.py --base smollm2-135m MODEL [MODEL ...] [--context 2048]
+    .venv/bin/python benchmarks/kv_cache_memory.py --base smollm2-135m [NAME=]MODEL [...] [--context 2048]
 
 Each model generates `--new-tokens` greedy tokens after `--context` tokens of held-out text
 (Pride and Prejudice, never calibration text), in its own subprocess so memory figures do not
@@ -85,10 +85,11 @@ def main() -> None:
         parser.error("name at least one model to compare with the base")
 
     rows = []
-    for model in (args.base, *args.models):
+    for spec in (args.base, *args.models):
+        name, _, model = spec.rpartition("=")
         command = [sys.executable, __file__, "--one", model, "--context", str(args.context), "--new-tokens", str(args.new_tokens)]
         result = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+        rows.append({**json.loads(result.stdout.strip().splitlines()[-1]), "name": name or model})
         print(rows[-1], flush=True)
     base = rows[0]
     for row in rows:
@@ -104,7 +105,7 @@ def main() -> None:
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['kv_heads']} | {r['cached_tokens']} | {r['kv_cache_bytes'] / 2**20:.1f} | {r['kv_cache_bytes_per_token']} "
+            f"| {r['name']} | {r['kv_heads']} | {r['cached_tokens']} | {r['kv_cache_bytes'] / 2**20:.1f} | {r['kv_cache_bytes_per_token']} "
             f"| {r['kv_cache_vs_base']:.3f} | {r['peak_rss_growth_mb']} | {r['generate_seconds']} | {r['speed_vs_base']:.2f} |"
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -200,6 +200,19 @@ def shared_key(keys: torch.Tensor, sigma: torch.Tensor, query_energy: torch.Tens
     return _real_pairs(shared), factors
 
 
+def member_query_energy(queries: list[torch.Tensor], sigma: torch.Tensor) -> torch.Tensor:
+    """Per member (its query rows [r, d, n']), E|Q_i|^2 summed over its query heads, per rotary
+    pair i: [m, d/2], the weights of `shared_key`."""
+    energy = torch.stack([(rows @ sigma * rows).sum(-1).sum(0) for rows in queries])  # [m, d]: E[q_i^2]
+    half = energy.shape[1] // 2
+    return energy[:, :half] + energy[:, half:]
+
+
+def reconstructed_keys(shared: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """Each member's key rows as the merge represents them, c_j * shared per pair: [m, d, n']."""
+    return _real_pairs(factors[:, :, None] * _complex_pairs(shared)[None])
+
+
 def rotate_queries(queries: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """Query rows [r, d, n'] of heads whose key became c * shared key (c [d/2] complex, per pair):
     q' = conj(c) q per pair, so q'·RoPE(shared) = q·RoPE(c shared) at every position."""
@@ -217,7 +230,7 @@ def shared_value(values: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tenso
 
 def merge_heads(heads: AttentionHeads, groups: list[list[int]], method: str, sigma: torch.Tensor | None) -> tuple[AttentionHeads, list[int]]:
     """The merged layer's heads and the query-head order (new position -> original head)."""
-    n_heads, kv_heads, head_dim = heads.shape
+    n_heads, kv_heads, _ = heads.shape
     per_kv = n_heads // kv_heads
     order, q, k, v, o = [], [], [], [], []
     for members in groups:
@@ -227,13 +240,12 @@ def merge_heads(heads: AttentionHeads, groups: list[list[int]], method: str, sig
             k.append(heads.k[members].mean(0))
             v.append(heads.v[members].mean(0))
         else:
-            energy = torch.stack([(rows @ sigma * rows).sum(-1).sum(0) for rows in member_queries])  # [m, d]: E[q_i^2]
-            key, factors = shared_key(heads.k[members], sigma, energy[:, : head_dim // 2] + energy[:, head_dim // 2 :])
+            key, factors = shared_key(heads.k[members], sigma, member_query_energy(member_queries, sigma))
             value, maps = shared_value(heads.v[members], sigma)
             k.append(key)
             v.append(value)
             member_queries = [rotate_queries(rows, c) for rows, c in zip(member_queries, factors)]
-            member_out = [cols @ u for cols, u in zip(member_out, maps)]  # closed form; refit_output improves it
+            member_out = [cols @ u for cols, u in zip(member_out, maps)]  # closed form; OutputRefit improves it
         order += [j * per_kv + i for j in members for i in range(per_kv)]
         q += member_queries
         o += member_out

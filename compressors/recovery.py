@@ -21,13 +21,16 @@ def distill(
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """Minimize KL(teacher || student) per token over `steps` batches of `input_ids` (cycled in
-    order); returns the loss of each step. Every student parameter trains; the teacher is frozen."""
+    """Minimize KL(teacher || student) per token over `steps` batches of `input_ids` (in a
+    seeded shuffled order, cycled: calibration windows are stored grouped by corpus part, so
+    in-order batches would train on one part first); returns the loss of each step. Every
+    student parameter trains; the teacher is frozen."""
     torch.manual_seed(seed)
     teacher.eval()
     student.train()
     optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    batches = input_ids.split(batch_size)
+    order = torch.randperm(input_ids.shape[0], generator=torch.Generator().manual_seed(seed))
+    batches = input_ids[order].split(batch_size)
     losses = []
     for step in range(steps):
         ids = batches[step % len(batches)]
