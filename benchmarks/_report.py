@@ -21,6 +21,18 @@ def quality_arguments(default_runs: str, out_name: str):
     return parser
 
 
+def scratch_directory() -> Path:
+    """A temporary folder for a benchmark's models, removed when the benchmark exits (each
+    model is hundreds of MB; a long run would otherwise fill the disk)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="lmpress-bench-"))
+    atexit.register(shutil.rmtree, work, True)
+    return work
+
+
 def flatten(metrics: dict) -> dict:
     flat = {}
     for key, value in metrics.items():

@@ -20,7 +20,6 @@ import json
 import os
 import resource
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
 from pipelines.stages import CalibrateConfig, calibrate  # noqa: E402
+from benchmarks._report import scratch_directory  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
 
     process = psutil.Process()
-    work = Path(tempfile.mkdtemp())
+    work = scratch_directory()
     out = work / "calibration"
     samples: list[tuple[int, int, int]] = []  # (anonymous bytes, file-backed bytes, layers done)
     done = threading.Event()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +24,7 @@ os.environ.setdefault("LMPRESS_QUIET", "1")
 
 import torch  # noqa: E402
 
-from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table  # noqa: E402
+from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, scratch_directory  # noqa: E402
 from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
 
 DEFAULT_RUNS = "mean:1,aligned:1:16,aligned:1,aligned:1:64,aligned:1:32:heal,mean:1:32:heal"
@@ -41,7 +40,7 @@ def main() -> None:
     evaluation = EvaluateConfig()
     base = flatten(evaluate(args.model, args.reference, None, evaluation))
     rows = [{"run": "base (fp32)", "KV bytes/token (fp16)": base["kv_cache_bytes_per_token_fp16"], **base}]
-    work = Path(tempfile.mkdtemp())
+    work = scratch_directory()
     for spec in args.runs.split(","):
         method, kv_heads, *rest = spec.split(":")
         samples = next((flag for flag in rest if flag.isdigit()), "32")

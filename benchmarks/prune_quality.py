@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table  # noqa: E402
+from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, scratch_directory  # noqa: E402
 from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
 
 DEFAULT_RUNS = ",".join(
@@ -41,7 +40,7 @@ def main() -> None:
 
     evaluation = EvaluateConfig()
     rows = [{"run": "base (fp32)", **flatten(evaluate(args.model, args.reference, None, evaluation))}]
-    work = Path(tempfile.mkdtemp())
+    work = scratch_directory()
     for spec in args.runs.split(","):
         method, pattern, *flags = spec.split(":")
         out = work / spec.replace(":", "_")

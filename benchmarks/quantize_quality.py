@@ -19,7 +19,6 @@ import json
 import os
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import flatten as _flatten, write_quality_table  # noqa: E402
+from benchmarks._report import flatten as _flatten, write_quality_table, scratch_directory  # noqa: E402
 from pipelines.stages import EvaluateConfig, QuantizeConfig, evaluate, quantize  # noqa: E402
 
 DEFAULT_RUNS = "rtn:4:64,gptq:4:64,awq:4:64,nf4,rtn:3:64,gptq:3:64,awq:3:64"
@@ -47,7 +46,7 @@ def main() -> None:
 
     evaluation = EvaluateConfig()
     rows = [{"run": "base (fp32)", **_flatten(evaluate(args.model, args.reference, None, evaluation))}]
-    work = Path(tempfile.mkdtemp())
+    work = scratch_directory()
     for spec in args.runs.split(","):
         method, *rest = spec.split(":")
         config = QuantizeConfig(method=method, sequential="stored" not in rest)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +30,7 @@ os.environ.setdefault("LMPRESS_QUIET", "1")
 
 import torch  # noqa: E402
 
-from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table  # noqa: E402
+from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, scratch_directory  # noqa: E402
 from benchmarks.decode_speed import side_by_side  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
 from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
@@ -53,7 +52,7 @@ def main() -> None:
     base_model = load_model(args.model)
     base = flatten(evaluate(args.model, args.reference, None, evaluation))
     rows = [{"run": "base (fp32)", "params (M)": round(base["parameters"] / 1e6, 1), "speed vs base": 1.0, **base}]
-    work = Path(tempfile.mkdtemp())
+    work = scratch_directory()
     for spec in args.runs.split(","):
         kind, scorer, amount, *flags = spec.split(":")
         out = work / spec.replace(":", "_")
