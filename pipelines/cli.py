@@ -211,7 +211,7 @@ def kv_merge(
     samples: int = typer.Option(64, help="Calibration windows the merge reads."),
     damp: float = typer.Option(0.01, help="Ridge of the o_proj least-squares refit, relative to its mean diagonal."),
     heal_steps: int = typer.Option(0, "--heal-steps", help="Distill from the parent for this many batches of calibration tokens (0: off)."),
-    heal_lr: float = typer.Option(5e-5, "--heal-lr", help="Learning rate of the healing distillation."),
+    heal_lr: float = typer.Option(1e-4, "--heal-lr", help="Learning rate of the healing distillation."),
     batch_size: int = typer.Option(4, "--batch-size", help="Calibration windows per forward pass and per healing step."),
 ):
     """Merge KV heads (MHA -> GQA -> MQA): a smaller KV cache, a plain config stock transformers opens."""

@@ -745,7 +745,7 @@ class KVMergeConfig:
     samples: int = 64  # calibration windows the merge reads (evenly spread over the stored ones): grouping and the o_proj refit
     damp: float = 0.01  # ridge of the o_proj refit, relative to the mean diagonal
     heal_steps: int = 0  # > 0: distill from the parent for this many batches of calibration tokens
-    heal_lr: float = 5e-5
+    heal_lr: float = 1e-4
     batch_size: int = 4  # windows per forward (merge) and per step (heal)
 
     def validate(self) -> None:
