@@ -9,6 +9,8 @@ the closed-form folds, and both after the o_proj refit.
 reconstruction c_j * shared key (values untouched), or each member's values by their projection
 onto the shared value head U_j * shared value (keys untouched). All heads of a layer merge into
 one (multi-query attention). Layers before each measured one are the original model's.
+First it prints how alike the KV heads are: the token-averaged cosine similarity between two
+heads' keys and values, from the calibration artifact, over all layers.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ def block_error(original: kvmerge.AttentionHeads, changed: kvmerge.AttentionHead
     """E||W_o o - W' z||^2 / E||W_o o||^2 over the captured calibration batches."""
     error = norm = 0.0
     target = original.o[:, order].flatten(1).float()
-    for _, kwargs in inputs:
-        call = (kwargs["hidden_states"], *kwargs["position_embeddings"], kwargs.get("attention_mask"), attention.scaling, None)
-        o = kvmerge.attention_outputs(original, *call)[:, :, order].flatten(2) @ target.T
-        z = kvmerge.attention_outputs(changed, *call).flatten(2) @ o_proj.flatten(1).float().T
+    for call in inputs:
+        arguments = (*kvmerge.attention_call(call), attention.scaling, None)
+        o = kvmerge.attention_outputs(original, *arguments)[:, :, order].flatten(2) @ target.T
+        z = kvmerge.attention_outputs(changed, *arguments).flatten(2) @ o_proj.flatten(1).float().T
         error, norm = error + (o - z).pow(2).sum().item(), norm + o.pow(2).sum().item()
     return error / norm
 
@@ -53,11 +55,19 @@ def main() -> None:
     torch.set_num_threads(1)
     layers = {int(i) for i in args.layers.split(",")}
 
+    calibration = CalibrationData(args.calibration)
+    for kind in ("k", "v"):
+        means = []
+        for index in range(len(list((args.calibration / "stats").glob("layer_*.safetensors")))):
+            similarity = calibration.head_similarity(index)[kind]
+            means.append(similarity[~torch.eye(similarity.shape[0], dtype=torch.bool)].mean().item())
+        print(f"{kind} cosine between heads: mean {sum(means) / len(means):.3f}, layers {min(means):.3f} to {max(means):.3f}")
+
     loaded = load_model(args.model)
     config = loaded.config
     heads_count, kv_count, head_dim = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
     per_kv = heads_count // kv_count
-    runner = LayerRunner(loaded.model, CalibrationData(args.calibration).spread_samples(args.samples), 4)
+    runner = LayerRunner(loaded.model, calibration.spread_samples(args.samples), 4)
     print("| layer | keys alone | values alone | both, closed form | both, o_proj refit |\n|---|---|---|---|---|")
     for index, layer in runner:
         if index not in layers:
@@ -79,8 +89,8 @@ def main() -> None:
         values_alone = kvmerge.AttentionHeads(heads.q, heads.k, values, heads.o, None, heads.has_bias)
 
         refit = kvmerge.OutputRefit(heads, merged, order, attention.scaling, None)
-        for _, kwargs in inputs:
-            refit.add(kwargs["hidden_states"], *kwargs["position_embeddings"], kwargs.get("attention_mask"))
+        for call in inputs:
+            refit.add(call)
         errors = [
             block_error(heads, keys_alone, identity, heads.o, inputs, attention),
             block_error(heads, values_alone, identity, heads.o, inputs, attention),

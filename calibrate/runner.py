@@ -127,6 +127,13 @@ class LayerRunner:
             if self.on_layer_done is not None:
                 self.on_layer_done(index)
 
+    def _batch_calls(self, layer: nn.Module) -> Iterator[tuple[torch.Tensor, tuple, dict]]:
+        """The current layer's recorded call arguments for every batch, on the device and in the
+        runner's dtype, while the layer's parameters are in that dtype."""
+        with _running_in(layer, self.dtype):
+            for hidden, (args, kwargs) in zip(self.hidden, self.calls[self._index]):
+                yield hidden, _to(args, self.device, self.dtype), _to(kwargs, self.device, self.dtype)
+
     @torch.no_grad()
     def capture_inputs(self, layer: nn.Module, module: nn.Module) -> list[tuple[tuple, dict]]:
         """The (args, kwargs) that `module`, a part of the current layer, is called with on every
@@ -142,12 +149,11 @@ class LayerRunner:
 
         handle = module.register_forward_pre_hook(stop, with_kwargs=True)
         try:
-            with _running_in(layer, self.dtype):
-                for hidden, (args, kwargs) in zip(self.hidden, self.calls[self._index]):
-                    try:
-                        layer(hidden, *_to(args, self.device, self.dtype), **_to(kwargs, self.device, self.dtype))
-                    except Captured:
-                        pass
+            for hidden, args, kwargs in self._batch_calls(layer):
+                try:
+                    layer(hidden, *args, **kwargs)
+                except Captured:
+                    pass
         finally:
             handle.remove()
         return captured
@@ -157,10 +163,9 @@ class LayerRunner:
         """Run the current layer on every batch of samples (hooks on it see the real inputs).
         With `propagate`, its outputs become the inputs of the next layer."""
         outputs = []
-        with _running_in(layer, self.dtype):
-            for hidden, (args, kwargs) in zip(self.hidden, self.calls[self._index]):
-                output = layer(hidden, *_to(args, self.device, self.dtype), **_to(kwargs, self.device, self.dtype))
-                if propagate:
-                    outputs.append(output)
+        for hidden, args, kwargs in self._batch_calls(layer):
+            output = layer(hidden, *args, **kwargs)
+            if propagate:
+                outputs.append(output)
         if propagate:
             self.hidden, self._propagated = outputs, True

@@ -52,13 +52,12 @@ class AttentionInputStatistics:
     def __init__(self, attention: nn.Module, inputs: list[tuple[tuple, dict]]):
         from calibrate.stats import HeadSimilarity, Moments
 
-        x = inputs[0][1]["hidden_states"]
         kv_heads = attention.k_proj.out_features // attention.head_dim
-        self.moments = Moments(x.shape[-1])
+        self.moments = Moments(attention.k_proj.in_features)
         similarity = {"k": HeadSimilarity(kv_heads, attention.head_dim), "v": HeadSimilarity(kv_heads, attention.head_dim)}
         with torch.no_grad():
-            for _, kwargs in inputs:
-                x = kwargs["hidden_states"]
+            for call in inputs:
+                x = attention_call(call)[0]
                 self.moments.add(x)
                 similarity["k"].add(attention.k_proj(x))
                 similarity["v"].add(attention.v_proj(x))
@@ -256,6 +255,13 @@ def merge_heads(heads: AttentionHeads, groups: list[list[int]], method: str, sig
 # --------------------------------------------------------------------------- o_proj refit on calibration tokens
 
 
+def attention_call(call: tuple[tuple, dict]) -> tuple:
+    """A captured attention call (args, kwargs), as HF decoder layers make it, as the
+    (x, cos, sin, mask) that `attention_outputs` takes."""
+    _, kwargs = call
+    return (kwargs["hidden_states"], *kwargs["position_embeddings"], kwargs.get("attention_mask"))
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -303,9 +309,10 @@ class OutputRefit:
         self.gram = torch.zeros(width, width, dtype=torch.float64)
 
     @torch.no_grad()
-    def add(self, x: torch.Tensor, cos, sin, mask) -> None:
-        o = attention_outputs(self.original, x, cos, sin, mask, self.scaling, self.softcap)[:, :, self.order].flatten(2).flatten(0, 1).double()
-        z = attention_outputs(self.merged, x, cos, sin, mask, self.scaling, self.softcap).flatten(2).flatten(0, 1).double()
+    def add(self, call: tuple[tuple, dict]) -> None:
+        """One captured attention call (a calibration batch)."""
+        o = attention_outputs(self.original, *attention_call(call), self.scaling, self.softcap)[:, :, self.order].flatten(2).flatten(0, 1).double()
+        z = attention_outputs(self.merged, *attention_call(call), self.scaling, self.softcap).flatten(2).flatten(0, 1).double()
         self.cross += o.T @ z
         self.gram += z.T @ z
 

@@ -759,8 +759,9 @@ class KVMergeConfig:
         require_positive(samples=self.samples, batch_size=self.batch_size)
 
 
-def _check_kv_merge_target(model: str, kv_heads: int) -> None:
-    """What kv-merge needs of the model, checked on its config before any weight is read."""
+def _check_kv_merge_target(model: str, kv_heads: int):
+    """What kv-merge needs of the model, checked on its config before any weight is read;
+    returns the config."""
     from transformers import AutoModelForCausalLM
 
     from pipelines.models import LAYER_WIDTHS, read_config
@@ -780,6 +781,7 @@ def _check_kv_merge_target(model: str, kv_heads: int) -> None:
     require(kv_heads <= current, f"--kv-heads {kv_heads} is more than the model's {current} KV heads; merging only reduces them")
     require(heads % kv_heads == 0, f"--kv-heads {kv_heads} does not divide the {heads} query heads; use a divisor of {current}")
     require(current % kv_heads == 0, f"--kv-heads {kv_heads} does not divide the {current} KV heads into equal groups; use a divisor of {current}")
+    return config
 
 
 def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeConfig) -> Path:
@@ -790,8 +792,7 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
     from pipelines.models import kv_cache_bytes_per_token
 
     config.validate()
-    _check_kv_merge_target(model, config.kv_heads)
-    kv_before = load_config(resolve_model(model)).num_key_value_heads
+    kv_before = _check_kv_merge_target(model, config.kv_heads).num_key_value_heads
     grouping = 1 < config.kv_heads < kv_before  # with one group, or one head a group, there is nothing to choose
     needs_calibration = config.method == "aligned" or grouping or config.heal_steps > 0
     run, loaded, chain, calib = begin_stage(model, calibration, out, f"kv-merge --method {config.method}", needs_calibration)
@@ -815,8 +816,8 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
         merged, order = merge_heads(heads, groups, config.method, heads.input_moment(statistics) if statistics else None)
         if config.method == "aligned":
             refit = OutputRefit(heads, merged, order, attention.scaling, softcap)
-            for _, kwargs in inputs:
-                refit.add(kwargs["hidden_states"], *kwargs["position_embeddings"], kwargs.get("attention_mask"))
+            for call in inputs:
+                refit.add(call)
             merged.o = refit.solve(config.damp)
         merged.write(attention, attention.q_proj.weight.dtype)
         attention.num_key_value_groups = shape[0] // config.kv_heads  # what HF's attention repeats keys by
