@@ -4,8 +4,10 @@ For every linear input the collector keeps the second moment E[x x^T] (the Hessi
 SparseGPT need, up to a factor), the mean (with the diagonal: Wanda's input norms and FLAP's
 fluctuation), the mean magnitude E|x| (AWQ's activation scale), and the token count. Linears that read the same tensor (q/k/v, gate/up) share
 one entry: the grouping is found by identity of the input tensor, so no per-family table is
-needed. For KV-head merging it also keeps, per layer, the token-averaged cosine similarity
-between every pair of KV heads' key and value outputs (not derivable from the moments).
+needed. It also keeps, per layer, the token-averaged cosine similarity between every pair of
+KV heads' key and value outputs (not derivable from the moments): how alike the base model's
+heads are. (`lmpress kv-merge` measures it again layer by layer on the model as merged so far,
+with the same HeadSimilarity.)
 
 The calibration artifact:
     manifest.json                 settings, sample ids, data hash, linear -> group map
