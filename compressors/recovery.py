@@ -1,48 +1,121 @@
-"""Recovery after structured pruning: a short knowledge-distillation pass in which the pruned
-model (student) learns the parent's (teacher's) next-token distributions on the calibration
-tokens. Written here rather than with a trainer library because it is one loop: teacher
-log-probabilities, student log-probabilities, KL, AdamW step."""
+"""Distillation: a student learns a teacher's next-token distributions on token windows.
+
+Two users: recovery after structured pruning or KV-head merging (the student is the smaller
+model, the teacher its parent, run live) and draft distillation (the student is the draft, the
+teacher the target, whose final hidden states are cached). Written here rather than with a
+trainer library because it is one loop (teacher log-probabilities, student logits, loss, AdamW
+step) and the checkpoint format must be safetensors, not a trainer's pickles.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
+
+LOSSES = ("kl", "tvd")
+
+
+def distribution_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, kind: str = "kl") -> torch.Tensor:
+    """Per-token mean of KL(teacher || student) ("kl", forward KL) or of the total variation
+    distance 1/2 sum |p_teacher - p_student| ("tvd", the quantity that bounds a draft's
+    rejection rate under speculative sampling, as DistillSpec uses)."""
+    student_logprobs = student_logits.float().log_softmax(dim=-1).flatten(0, -2)
+    teacher_logprobs = teacher_logprobs.flatten(0, -2)
+    if kind == "kl":
+        return torch.nn.functional.kl_div(student_logprobs, teacher_logprobs, log_target=True, reduction="batchmean")
+    return 0.5 * (student_logprobs.exp() - teacher_logprobs.exp()).abs().sum(-1).mean()
+
+
+class TrainingCheckpoint:
+    """Resumable training state in one safetensors file: the trained parameters, AdamW's
+    moments and step counts, and (in the metadata) the step reached and the losses so far.
+    Saved every `every` steps by writing a sibling and renaming it over the old one."""
+
+    def __init__(self, path: Path, every: int):
+        self.path, self.every = Path(path), every
+
+    def restore(self, named: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer) -> list[float]:
+        """Load a saved state into the parameters and optimizer; returns the losses so far
+        (their count is the step to continue from), or [] when there is none."""
+        if not self.path.is_file():
+            return []
+        with safe_open(self.path, framework="pt") as handle:
+            losses = json.loads(handle.metadata()["losses"])
+            saved = set(handle.keys())
+            for name, parameter in named.items():
+                with torch.no_grad():
+                    parameter.copy_(handle.get_tensor(f"param/{name}"))
+                state = {key: handle.get_tensor(f"{key}/{name}") for key in ("step", "exp_avg", "exp_avg_sq") if f"{key}/{name}" in saved}
+                if state:  # a parameter that got no gradient yet has no AdamW state
+                    optimizer.state[parameter] = state
+        return losses
+
+    def save(self, named: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, losses: list[float]) -> None:
+        tensors = {}
+        for name, parameter in named.items():
+            tensors[f"param/{name}"] = parameter.detach().contiguous()
+            for key, value in optimizer.state[parameter].items():
+                tensors[f"{key}/{name}"] = value.contiguous()
+        partial = self.path.with_name(self.path.name + ".partial")
+        save_file(tensors, partial, metadata={"losses": json.dumps(losses)})
+        partial.replace(self.path)
 
 
 def distill(
     student: nn.Module,
-    teacher: nn.Module,
+    teacher_logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     input_ids: torch.Tensor,
     steps: int,
     lr: float = 5e-5,
     batch_size: int = 2,
     seed: int = 0,
+    loss: str = "kl",
+    student_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    checkpoint: TrainingCheckpoint | None = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """Minimize KL(teacher || student) per token over `steps` batches of `input_ids` (in a
-    seeded shuffled order, cycled: calibration windows are stored grouped by corpus part, so
-    in-order batches would train on one part first); returns the loss of each step. Every
-    student parameter trains; the teacher is frozen."""
+    """Train the student's parameters that require grad for `steps` batches of `input_ids`
+    (in a seeded shuffled order, cycled: calibration windows are stored grouped by corpus part,
+    so in-order batches would train on one part first); returns the loss of each step.
+
+    `teacher_logprobs(rows, ids)` gives the teacher's log-probabilities for the windows `rows`
+    (their token ids `ids`); `student_logits(ids)` the student's logits over the same
+    vocabulary (default: the student's own forward). With a `checkpoint`, training resumes
+    from its saved step and saves every `checkpoint.every` steps: an interrupted run continues
+    to the same result as an uninterrupted one."""
     torch.manual_seed(seed)
-    teacher.eval()
     student.train()
-    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    named = {name: p for name, p in student.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(list(named.values()), lr=lr, weight_decay=0.0)
     order = torch.randperm(input_ids.shape[0], generator=torch.Generator().manual_seed(seed))
-    batches = input_ids[order].split(batch_size)
-    losses = []
-    for step in range(steps):
-        ids = batches[step % len(batches)]
+    batches = order.split(batch_size)
+    forward = student_logits or (lambda ids: student(input_ids=ids, use_cache=False).logits)
+    losses = checkpoint.restore(named, optimizer) if checkpoint is not None else []
+    for step in range(len(losses), steps):
+        rows = batches[step % len(batches)]
+        ids = input_ids[rows]
         with torch.no_grad():
-            target = teacher(input_ids=ids, use_cache=False).logits.float().log_softmax(dim=-1)
-        predicted = student(input_ids=ids, use_cache=False).logits.float().log_softmax(dim=-1)
-        loss = torch.nn.functional.kl_div(predicted.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+            target = teacher_logprobs(rows, ids)
+        value = distribution_loss(forward(ids), target, loss)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(value.item())
+        if checkpoint is not None and ((step + 1) % checkpoint.every == 0 or step + 1 == steps):
+            checkpoint.save(named, optimizer, losses)
         if on_step is not None:
             on_step(step, losses[-1])
     student.eval()
     return losses
+
+
+def live_teacher(teacher: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Teacher log-probabilities from running the teacher model on the batch."""
+    teacher.eval()
+    return lambda rows, ids: teacher(input_ids=ids, use_cache=False).logits.float().log_softmax(dim=-1)

@@ -45,23 +45,27 @@ def _trim_cache(cache, length: int) -> None:
 @torch.no_grad()
 def speculative_greedy(
     target: nn.Module, draft: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, lookahead: int,
-    draft_to_target: torch.Tensor | None = None,
+    draft_to_target: torch.Tensor | None = None, eos_token_id: int | list[int] | None = None,
 ) -> SpeculativeResult:
-    """Greedy decoding of `target` from `input_ids` [1, n], `max_new_tokens` tokens, with `draft`
-    proposing up to `lookahead` tokens per target forward. `draft_to_target` maps the draft's
-    output ids to the target's (a trimmed vocabulary); None: the same vocabulary."""
+    """Greedy decoding of `target` from `input_ids` [1, n], `max_new_tokens` tokens or up to
+    and including an `eos_token_id`, with `draft` proposing up to `lookahead` tokens per target
+    forward. `draft_to_target` maps the draft's output ids to the target's (a trimmed
+    vocabulary); None: the same vocabulary."""
     from transformers import DynamicCache
 
     assert input_ids.shape[0] == 1, "speculative decoding here is batch 1"
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     prompt = input_ids.shape[1]
     # the prompt: the target's first token; the draft caches the prompt but its last position
-    logits = target(input_ids=input_ids, past_key_values=target_cache, use_cache=True).logits[:, -1]
+    # logits_to_keep=1 wherever only the last position's logits are read: the LM head is a large
+    # part of a small model's cost
+    logits = target(input_ids=input_ids, past_key_values=target_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     tokens = torch.cat([input_ids, logits.argmax(-1, keepdim=True)], dim=1)
     if prompt > 1:
-        draft(input_ids=input_ids[:, :-1], past_key_values=draft_cache, use_cache=True)
+        draft(input_ids=input_ids[:, :-1], past_key_values=draft_cache, use_cache=True, logits_to_keep=1)
+    stops = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [], dtype=torch.long, device=input_ids.device)
     forwards, proposed, accepted = 1, 0, 0
-    while tokens.shape[1] - prompt < max_new_tokens:
+    while tokens.shape[1] - prompt < max_new_tokens and not torch.isin(tokens[0, prompt:], stops).any():
         # draft: from its cache (everything but the newest tokens) propose k tokens
         k = min(lookahead, max_new_tokens - (tokens.shape[1] - prompt) - 1)
         proposal = tokens
@@ -69,7 +73,7 @@ def speculative_greedy(
             _trim_cache(draft_cache, tokens.shape[1] - 1)
             step_input = tokens[:, draft_cache.get_seq_length():]
             for _ in range(k):
-                draft_logits = draft(input_ids=step_input, past_key_values=draft_cache, use_cache=True).logits[:, -1]
+                draft_logits = draft(input_ids=step_input, past_key_values=draft_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
                 choice = draft_logits.argmax(-1, keepdim=True)
                 step_input = draft_to_target[choice] if draft_to_target is not None else choice
                 proposal = torch.cat([proposal, step_input], dim=1)
@@ -81,4 +85,6 @@ def speculative_greedy(
         agree = int((offered == predicted[: offered.numel()]).long().cumprod(0).sum())
         tokens = torch.cat([proposal[:, : tokens.shape[1] + agree], predicted[agree].view(1, 1)], dim=1)
         forwards, proposed, accepted = forwards + 1, proposed + offered.numel(), accepted + agree
-    return SpeculativeResult(tokens[:, : prompt + max_new_tokens], forwards, proposed, accepted)
+    stopped = torch.isin(tokens[0, prompt:], stops).nonzero()
+    end = prompt + (int(stopped[0]) + 1 if stopped.numel() else max_new_tokens)
+    return SpeculativeResult(tokens[:, :end], forwards, proposed, accepted)

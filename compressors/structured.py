@@ -205,3 +205,19 @@ def block_influence(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> 
         cos = torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1)
         total, count = total + cos.sum().item(), count + cos.numel()
     return 1 - total / count
+
+
+def keep_layers(model: nn.Module, kept: list[int]) -> None:
+    """Keep only the decoder layers `kept` (ascending indices), renumbered, with the config's
+    per-layer lists (attention kinds, lmpress's layer widths) cut to match."""
+    from pipelines.models import LAYER_WIDTHS, architecture_of, decoder_layers
+
+    layers = decoder_layers(model)
+    for new_index, old_index in enumerate(kept):
+        layers[old_index].self_attn.layer_idx = new_index  # the KV cache is indexed by it
+    owner, name = architecture_of(model.config).layers.rsplit(".", 1)
+    setattr(model.get_submodule(owner), name, nn.ModuleList([layers[i] for i in kept]))
+    model.config.num_hidden_layers = len(kept)
+    for key in ("layer_types", LAYER_WIDTHS):  # per-layer attention kinds (sliding / full), widths
+        if getattr(model.config, key, None):
+            setattr(model.config, key, [getattr(model.config, key)[i] for i in kept])

@@ -164,6 +164,14 @@ def model_chain(spec: str, folder: Path, config) -> list[dict]:
     return lineage["chain"] if lineage else [base_record(spec, folder, config)]
 
 
+def model_identity(spec: str, folder: Path, chain: list[dict]) -> dict:
+    """What pins a model for a pairing (a draft and its target): its lineage hash (content and
+    recipe) and the hash of its weight files as they are now."""
+    from pipelines.models import weights_hash
+
+    return {"model": spec, "lineage_hash": chain_hash(chain), "weights_sha256": weights_hash(folder)}
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory: VmHWM where /proc has it, since getrusage's
     ru_maxrss also counts the parent's memory at fork (Linux carries it across exec)."""
@@ -202,3 +210,30 @@ def write_lineage(folder: Path, parent_chain: list[dict], record: dict, run: Sta
     lineage = {"format": LINEAGE_FORMAT, "hash": chain_hash(chain), "chain": chain}
     write_json(Path(folder) / LINEAGE_FILE, lineage)
     return lineage
+
+
+class ResumeFolder:
+    """Where a long stage keeps its progress between runs: `.<out>.resume/` beside the output.
+    It belongs to one set of inputs (`key`: a hash of everything that decides the result);
+    progress made for other inputs is discarded. The stage removes it once the output is in
+    place."""
+
+    def __init__(self, out: Path, key: str):
+        self.path = Path(out).parent / f".{Path(out).name}.resume"
+        key_file = self.path / "key"
+        if not key_file.is_file() or key_file.read_text() != key:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path.mkdir(parents=True)
+            key_file.write_text(key)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def inputs_key(*parts) -> str:
+    """sha256 of JSON-serializable inputs, with lmpress's code version: a resume key."""
+    canonical = json.dumps([code_version(), *parts], sort_keys=True, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -223,6 +223,62 @@ def kv_merge(
 
 
 @app.command()
+def draft(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the draft model; replaced only when complete (progress is kept beside it, so an interrupted run resumes)."),
+    target: str = typer.Option(..., "--target", help="The model the draft will serve: the base, or a compressed artifact (the draft is distilled against it as it is)."),
+    calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate`: its windows' beginnings are the prompts the target continues."),
+    layers: int = typer.Option(0, "--layers", help="Target decoder layers the draft keeps (required unless --draft)."),
+    draft_model: str = typer.Option("", "--draft", help="Instead of --layers: a draft to distill, e.g. a structured-pruned copy of the target or any small model with its tokenizer."),
+    selection: str = typer.Option("influence", help="Which layers: influence (those that change the target's hidden states most, measured on its outputs) or even (evenly spaced)."),
+    vocab_trim: int = typer.Option(0, "--vocab-trim", help="Keep this many LM-head rows, the tokens the target emits most (VOCABTRIM); 0: the whole vocabulary."),
+    steps: int = typer.Option(200, help="Distillation steps (0: the undistilled draft)."),
+    lr: float = typer.Option(3e-4, help="Distillation learning rate (AdamW)."),
+    batch_size: int = typer.Option(4, "--batch-size", help="Sequences per distillation step."),
+    loss: str = typer.Option("kl", help="kl (forward KL to the target's next-token distribution) or tvd (total variation distance)."),
+    prompts: int = typer.Option(64, help="Calibration windows whose beginnings the target continues."),
+    prompt_len: int = typer.Option(32, "--prompt-len", help="Tokens of each prompt."),
+    new_tokens: int = typer.Option(224, "--new-tokens", help="Tokens the target generates per prompt (greedy)."),
+    checkpoint_every: int = typer.Option(25, "--checkpoint-every", help="Steps between resumable checkpoints."),
+):
+    """Build a draft for speculative decoding from the target and distill it on the target's own outputs."""
+    from pipelines.stages import DraftConfig, draft as run
+
+    config = DraftConfig(
+        layers=layers, draft=draft_model, selection=selection, vocab_trim=vocab_trim, prompts=prompts, prompt_len=prompt_len,
+        new_tokens=new_tokens, steps=steps, lr=lr, batch_size=batch_size, loss=loss, checkpoint_every=checkpoint_every,
+    )
+    path = run(target, calibration, out, config)
+    out_console.print(f"draft written to {path}", markup=False, highlight=False)
+
+
+ALLOW_OTHER_TARGET = typer.Option(False, "--allow-other-target", help="Pair a draft with a target other than the one it was distilled against (a warning instead of an error).")
+
+
+@app.command("evaluate-draft")
+def evaluate_draft(
+    draft_model: str = typer.Argument(..., metavar="DRAFT", help="A draft from `lmpress draft`, or any model with the target's tokenizer."),
+    target: str = typer.Option(..., "--target", help="The model the draft serves."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the metrics as JSON here (a DVC metrics file)."),
+    corpora: str = typer.Option("austen-heldout,pydoc-heldout", help="Held-out corpora the prompts come from, comma-separated."),
+    prompts: int = typer.Option(8, help="Prompts, shared out over the corpora (their first windows)."),
+    prompt_len: int = typer.Option(128, "--prompt-len", help="Tokens per prompt."),
+    new_tokens: int = typer.Option(64, "--new-tokens", help="Tokens generated per prompt."),
+    lookahead: str = typer.Option("4,8", help="Draft tokens per target forward, comma-separated; each is measured."),
+    allow_other_target: bool = ALLOW_OTHER_TARGET,
+):
+    """Speculative vs plain greedy decoding on held-out prompts: tokens per target forward, acceptance, speedup, identical output."""
+    from pipelines.stages import SpeculationConfig, evaluate_draft as run
+
+    config = SpeculationConfig(corpora=corpora, prompts=prompts, prompt_len=prompt_len, new_tokens=new_tokens, lookahead=lookahead)
+    metrics = run(draft_model, target, out, config, allow_other_target)
+    table = Table("lookahead", "tokens / target forward", "acceptance", "plain s", "speculative s", "speedup", "identical",
+                  title=f"{metrics['draft']} ({metrics['draft_layers']} layers, {metrics['draft_vocabulary']} tokens) for {metrics['target']}")
+    for k, entry in metrics["lookahead"].items():
+        table.add_row(k, *(str(entry[key]) for key in ("tokens_per_target_forward", "acceptance_rate", "plain_s", "speculative_s", "speedup", "identical_output")))
+    out_console.print(table)
+
+
+@app.command()
 def validate(
     artifact: Path = typer.Argument(..., help="A quantized (pack-quantized) artifact."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the report (default: ARTIFACT/validation.json)."),
@@ -243,11 +299,14 @@ def generate(
     artifact: str = typer.Argument(..., help=MODEL_HELP),
     prompt: str = typer.Argument(..., help="Text to continue."),
     max_new_tokens: int = typer.Option(40, "--max-new-tokens", help="Tokens to generate (greedy)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft", help="A draft for speculative decoding (the same output, fewer target forwards)."),
+    lookahead: int = typer.Option(4, help="With --draft: tokens the draft proposes per target forward."),
+    allow_other_target: bool = ALLOW_OTHER_TARGET,
 ):
     """Continue a prompt greedily with the model, served with its packed kernels where it has them."""
     from pipelines.serving import generate as run
 
-    out_console.print(run(artifact, prompt, max_new_tokens), markup=False, highlight=False)
+    out_console.print(run(artifact, prompt, max_new_tokens, draft_model, lookahead, allow_other_target), markup=False, highlight=False)
 
 
 @app.command()

@@ -35,6 +35,12 @@ class LMHead:
         head = model.get_output_embeddings()
         return cls(head.weight.detach(), head.bias, getattr(model.config, "final_logit_softcapping", None))
 
+    def rows(self, token_ids: torch.Tensor | None) -> "LMHead":
+        """The head restricted to the vocabulary `token_ids` (None: all of it)."""
+        if token_ids is None:
+            return self
+        return LMHead(self.weight[token_ids], None if self.bias is None else self.bias[token_ids], self.softcap)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap

@@ -221,11 +221,17 @@ def safetensors_layout(folder: Path) -> dict[str, tuple[str, list[int], int]]:
     return layout
 
 
-@lru_cache(maxsize=8)
 def weights_hash(folder: Path) -> str:
-    """sha256 over the folder's safetensors files, in name order: the identity of a base model."""
+    """sha256 over the folder's safetensors files, in name order: the identity of a base model
+    (computed once per content: the cache key includes each file's size and modification time)."""
+    files = weight_files(folder)
+    return _weights_hash(tuple((file, file.stat().st_size, file.stat().st_mtime_ns) for file in files))
+
+
+@lru_cache(maxsize=16)
+def _weights_hash(files: tuple[tuple[Path, int, int], ...]) -> str:
     digest = hashlib.sha256()
-    for file in weight_files(folder):
+    for file, _, _ in files:
         digest.update(file.name.encode())
         with open(file, "rb") as handle:
             for block in iter(lambda: handle.read(1 << 24), b""):

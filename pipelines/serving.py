@@ -90,12 +90,42 @@ def load_lmpress_packed(folder: Path, config, dtype: torch.dtype):
     return model
 
 
-def load_for_serving(spec: str, device: str = "cpu") -> LoadedModel:
-    """The model with every packed linear swapped for a kernel-backed PackedLinear."""
+def dense_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain float copy of a model as loaded, quantized ones included: every packed or
+    quantization-annotated linear becomes a fresh nn.Linear holding its (dequantized) weight,
+    and the quantization config is gone, so the copy trains and saves as a plain checkpoint."""
+    from compressors import packed_int
     from compressors.kernels import PackedLinear
 
+    plain_model = copy.deepcopy(model)
+    for name, module in list(plain_model.named_modules()):
+        packed = isinstance(module, PackedLinear)
+        if not packed and not (isinstance(module, torch.nn.Linear) and set(module.state_dict()) - {"weight", "bias"}):
+            continue
+        weight = packed_int.dequantize_reference(module.weight_packed) if packed else module.weight.detach()
+        plain = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        with torch.no_grad():
+            plain.weight.copy_(weight)
+            if module.bias is not None:
+                plain.bias.copy_(module.bias)
+        parent, child = name.rsplit(".", 1)
+        setattr(plain_model.get_submodule(parent), child, plain)
+    plain_model.hf_quantizer = None
+    plain_model.config.__dict__.pop("quantization_config", None)
+    return plain_model
+
+
+def load_for_serving(spec: str, device: str = "cpu") -> LoadedModel:
+    """The model with every packed linear swapped for a kernel-backed PackedLinear (a plain
+    model as it is)."""
+    from compressors.kernels import PackedLinear
+    from compressors.packed_int import FORMAT
+
     loaded = load_model(spec)
-    if not any(isinstance(module, PackedLinear) for module in loaded.model.modules()):  # compressed-tensors, decompressed at load
+    settings = getattr(loaded.config, "quantization_config", None) or {}
+    settings = settings if isinstance(settings, dict) else settings.to_dict()
+    decompressed = settings.get("quant_method") == "compressed-tensors" and settings.get("format") == FORMAT
+    if decompressed and not any(isinstance(module, PackedLinear) for module in loaded.model.modules()):
         swap_in_packed_linears(loaded.model, packed_weights(loaded.folder))
     loaded.model.to(device)
     return loaded
@@ -176,10 +206,67 @@ def bundle_kernels(folder: Path) -> None:
         shutil.copy(kernel.source, Path(folder) / "kernels" / kernel.source.name)
 
 
+def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False) -> tuple[torch.nn.Module, torch.Tensor | None]:
+    """A draft model for `target` and its vocabulary map (the target token id of each draft
+    LM-head row; None: the full vocabulary). Checked to share the target's tokenizer and, when
+    `lmpress draft` made it, to have been distilled against this very target (its lineage and
+    weights): a mismatch is an error, or with `allow_other_target` a warning."""
+    from safetensors.torch import load_file
+
+    from compressors.draft import trim_lm_head
+    from pipelines.artifact import model_chain, model_identity, read_lineage
+    from pipelines.errors import LmpressError
+    from pipelines.models import resolve_model
+    from pipelines.progress import stderr
+    from pipelines.stages import VOCAB_TRIM_FILE, check_same_tokenizer
+
+    folder = resolve_model(spec)
+    check_same_tokenizer(folder, target.folder)
+    lineage = read_lineage(folder)
+    record = lineage["chain"][-1] if lineage else {}
+    if record.get("stage") == "draft":
+        expected = record["target"]
+        actual = model_identity(target.spec, target.folder, model_chain(target.spec, target.folder, target.config))
+        changed = [what for what, key in (("lineage", "lineage_hash"), ("weights", "weights_sha256")) if expected[key] != actual[key]]
+        if changed:
+            message = (
+                f"draft {spec} was distilled against {expected['model']} (lineage {expected['lineage_hash'][:12]}, weights "
+                f"{expected['weights_sha256'][:12]}); {target.spec} differs in its {' and '.join(changed)} "
+                f"({actual['lineage_hash'][:12]}, {actual['weights_sha256'][:12]}): re-run `lmpress draft --target {target.spec}`"
+            )
+            if not allow_other_target:
+                raise LmpressError(message + ", or pass --allow-other-target to pair them anyway")
+            stderr.print(f"warning: {message}", markup=False, highlight=False)
+    model = load_model(spec).model
+    trim = folder / VOCAB_TRIM_FILE
+    token_ids = load_file(trim)["token_ids"] if trim.is_file() else None
+    if token_ids is not None:
+        trim_lm_head(model, token_ids)
+    return model, token_ids
+
+
 @torch.no_grad()
-def generate(spec: str, prompt: str, max_new_tokens: int = 40) -> str:
+def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None = None, lookahead: int = 4, allow_other_target: bool = False) -> str:
+    """Greedy continuation; with a `draft`, by speculative decoding (the same text, fewer target
+    forwards; the counts go to stderr)."""
+    from compressors.speculative import speculative_greedy
+    from pipelines.progress import stderr
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_for_serving(spec, device)
     inputs = loaded.tokenizer(prompt, return_tensors="pt").to(device)
-    output = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    if draft is None:
+        output = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    else:
+        model, token_ids = load_draft(draft, loaded, allow_other_target)
+        model.to(device)
+        token_ids = None if token_ids is None else token_ids.to(device)
+        eos = loaded.model.generation_config.eos_token_id
+        result = speculative_greedy(loaded.model, model, inputs["input_ids"], max_new_tokens, lookahead, token_ids, eos)
+        output = result.tokens
+        stderr.print(
+            f"speculative: {result.new_tokens} tokens in {result.target_forwards} target forwards "
+            f"({result.tokens_per_target_forward:.2f} per forward), {result.accepted}/{result.proposed} proposals accepted",
+            markup=False, highlight=False,
+        )
     return loaded.tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from calibrate.corpora import check_disjoint, leading_windows, sample_windows, tokenize_part
 from calibrate.runner import LayerRunner
 from calibrate.stats import BLOCK_INFLUENCE, CALIBRATION_FORMAT, LayerStatisticsCollector
-from compressors.structured import block_influence
+from compressors.structured import block_influence, keep_layers
 from pipelines.artifact import (
     StageRun,
     atomic_directory,
@@ -25,7 +25,7 @@ from pipelines.artifact import (
     write_json,
     write_lineage,
 )
-from pipelines.errors import require
+from pipelines.errors import LmpressError, require
 from pipelines.evaluation import LMHead, score_windows, size_metrics
 from pipelines.models import architecture_of, decoder_layers, head_dim_of, layer_linears, load_config, load_model, resolve_model
 from pipelines.progress import progress_bar
@@ -722,14 +722,7 @@ def drop_layers(model: str, calibration: Path | None, out: Path, config: DropLay
     else:
         influence, dropped = None, list(range(len(layers) - config.n, len(layers)))
     with atomic_directory(out) as tmp:
-        kept = [layer for i, layer in enumerate(layers) if i not in dropped]
-        for new_index, layer in enumerate(kept):
-            layer.self_attn.layer_idx = new_index  # the KV cache is indexed by it
-        owner, name = architecture_of(loaded.config).layers.rsplit(".", 1)
-        setattr(loaded.model.get_submodule(owner), name, torch.nn.ModuleList(kept))
-        loaded.config.num_hidden_layers = len(kept)
-        if getattr(loaded.config, "layer_types", None):  # per-layer attention kinds (sliding / full)
-            loaded.config.layer_types = [kind for i, kind in enumerate(loaded.config.layer_types) if i not in dropped]
+        keep_layers(loaded.model, [i for i in range(len(layers)) if i not in dropped])
         report = {"dropped_layers": dropped, "block_influence": influence}
         _finish_smaller_model(loaded, model, calib, _recovery(config), tmp, report, {"stage": "drop-layers", "params": asdict(config)}, chain, run)
     return Path(out)
@@ -840,6 +833,241 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
     return Path(out)
 
 
+# --------------------------------------------------------------------------- draft models
+
+DRAFT_REPORT = "draft.json"
+VOCAB_TRIM_FILE = "vocab_trim.safetensors"  # token_ids: the target token id of each draft LM-head row
+GENERATE_BATCH = 16  # prompts the target continues at once: 16 sequences decode for about 3x the time of one on a CPU
+
+
+@dataclass
+class DraftConfig:
+    layers: int = 4  # target decoder layers the draft keeps (0 with `draft`: a user-given draft instead)
+    draft: str = ""  # a user-given draft: a structured-pruned copy, or any small model with the target's tokenizer
+    selection: str = "influence"  # influence (the target's most influential layers, measured on its outputs) | even
+    vocab_trim: int = 0  # > 0: the draft's LM head keeps this many rows, the tokens the target emits most (VOCABTRIM)
+    prompts: int = 64  # calibration windows whose beginnings the target continues (FastDraft-style data)
+    prompt_len: int = 32
+    new_tokens: int = 224  # tokens the target generates per prompt, greedily
+    steps: int = 200  # distillation steps (0: the undistilled draft)
+    lr: float = 3e-4
+    batch_size: int = 4  # sequences per distillation step
+    loss: str = "kl"  # kl (forward KL to the target's distribution) | tvd (total variation distance)
+    checkpoint_every: int = 25  # steps between resumable checkpoints
+
+    def validate(self) -> None:
+        from compressors.draft import SELECTIONS
+        from compressors.recovery import LOSSES
+
+        require(not (self.layers and self.draft), "pass either --layers N (a subset of the target's layers) or --draft MODEL, not both")
+        require(self.layers > 0 or bool(self.draft), f"pass --layers N (target layers the draft keeps, e.g. 4) or --draft MODEL (got --layers {self.layers})")
+        require(self.selection in SELECTIONS, f"unknown selection '{self.selection}'; use one of {', '.join(SELECTIONS)}")
+        require(self.loss in LOSSES, f"unknown loss '{self.loss}'; use one of {', '.join(LOSSES)}")
+        require(self.vocab_trim >= 0, f"--vocab-trim must be 0 (off) or a token count such as 8192 (got {self.vocab_trim})")
+        require(self.steps >= 0, f"--steps must be 0 (no distillation) or positive (got {self.steps})")
+        require(self.lr > 0, f"--lr must be positive (got {self.lr})")
+        require_positive(
+            prompts=self.prompts, prompt_len=self.prompt_len, new_tokens=self.new_tokens, batch_size=self.batch_size,
+            checkpoint_every=self.checkpoint_every,
+        )
+
+
+def check_same_tokenizer(draft_folder: Path, target_folder: Path) -> None:
+    """A draft proposes token ids that the target verifies: both must use one tokenizer."""
+    from transformers import AutoTokenizer
+
+    from compressors.draft import tokenizer_difference
+
+    difference = tokenizer_difference(
+        AutoTokenizer.from_pretrained(draft_folder, trust_remote_code=False), AutoTokenizer.from_pretrained(target_folder, trust_remote_code=False),
+    )
+    require(
+        difference is None,
+        f"draft {draft_folder} does not share the target's tokenizer ({difference}); speculative decoding needs the same "
+        "token ids: pick a draft of the target's model family, or build one with `lmpress draft --layers N`",
+    )
+
+
+def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig) -> Path:
+    """A draft for speculative decoding with `target`: a subset of the target's layers (or a
+    user-given model), distilled on the target's own greedy continuations of calibration
+    prompts against the target's next-token distributions. The target is the model as it
+    serves (a compressed artifact included), so the draft learns what that model says.
+    Progress is kept beside the output and an interrupted run resumes."""
+    from compressors.draft import choose_layers, emitted_vocabulary, generate_continuations, teacher_pass
+    from compressors.recovery import TrainingCheckpoint, distill
+    from pipelines.artifact import ResumeFolder, inputs_key, model_identity
+    from pipelines.serving import dense_copy
+
+    config.validate()
+    require_directory_target(out)
+    require_calibration(calibration, "draft", True)
+    run = StageRun()
+    target_folder = resolve_model(target)
+    target_config = load_config(target_folder)
+    if config.draft:
+        draft_folder = resolve_model(config.draft)
+        load_config(draft_folder)
+        check_same_tokenizer(draft_folder, target_folder)
+    else:
+        depth = target_config.num_hidden_layers
+        require(
+            config.layers < depth,
+            f"--layers {config.layers} is not fewer than the target's {depth} layers; a draft keeps a few, e.g. --layers {max(1, depth // 6)}",
+        )
+    vocabulary = target_config.vocab_size
+    require(config.vocab_trim < vocabulary, f"--vocab-trim {config.vocab_trim} is not below the vocabulary's {vocabulary} tokens; use e.g. 8192, or 0 for no trim")
+    loaded = load_model(target)
+    chain = model_chain(target, loaded.folder, loaded.config)
+    calib = open_calibration(calibration, chain)
+    seq_len = calib.manifest["seq_len"]
+    require(config.prompt_len <= seq_len, f"--prompt-len {config.prompt_len} is longer than the calibration windows ({seq_len} tokens)")
+    identity = model_identity(target, loaded.folder, chain)
+    source = model_identity(config.draft, draft_folder, model_chain(config.draft, draft_folder, load_config(draft_folder))) if config.draft else None
+    resume = ResumeFolder(out, inputs_key(identity, source, asdict(config), calib.manifest["data_sha256"], calib.manifest["seed"]))
+
+    # the data: the target's continuations of calibration prompts and its final hidden states on them
+    data_file = resume.file("data.safetensors")
+    if data_file.is_file():
+        data = load_file(data_file)
+    else:
+        prompts = calib.spread_samples(config.prompts)[:, : config.prompt_len].contiguous()
+        with progress_bar("draft: target continuations", prompts.shape[0]) as advance:
+            sequences = generate_continuations(loaded.model, prompts, config.new_tokens, GENERATE_BATCH, advance)
+        hidden, influence = teacher_pass(loaded.model, sequences, config.batch_size)
+        data = {"input_ids": sequences.contiguous(), "hidden": hidden.contiguous(), "influence": torch.tensor(influence, dtype=torch.float64)}
+        save_file(data, data_file.with_name("data.partial"))
+        data_file.with_name("data.partial").replace(data_file)
+    sequences, hidden = data["input_ids"], data["hidden"]
+    generated = sequences[:, config.prompt_len :]
+
+    if config.draft:
+        given = load_model(config.draft)
+        student, tokenizer, kept = dense_copy(given.model), given.tokenizer, None
+        del given
+    else:
+        influence = data["influence"].tolist() if config.selection == "influence" else None
+        kept = choose_layers(target_config.num_hidden_layers, config.layers, influence)
+        student, tokenizer = dense_copy(loaded.model), loaded.tokenizer
+        keep_layers(student, kept)
+    for embedding in (student.get_input_embeddings(), student.get_output_embeddings()):
+        embedding.weight.requires_grad_(False)  # the largest part, and the space the target's tokens live in: kept as is
+    token_ids = emitted_vocabulary(generated, sequences[:, : config.prompt_len], vocabulary, config.vocab_trim) if config.vocab_trim else None
+    teacher_head, student_head = LMHead.of(loaded.model).rows(token_ids), LMHead.of(student).rows(token_ids)
+    del loaded  # the teacher is its cached hidden states from here on
+
+    def teacher_logprobs(rows, ids):  # over the kept vocabulary: the target's distribution renormalized to it
+        return teacher_head.logits(hidden[rows]).float().log_softmax(dim=-1)
+
+    def student_logits(ids):
+        return student_head.logits(student.base_model(input_ids=ids, use_cache=False).last_hidden_state)
+
+    with progress_bar("draft: distillation", config.steps) as advance:
+        checkpoint = TrainingCheckpoint(resume.file("training.safetensors"), config.checkpoint_every)
+        losses = distill(
+            student, teacher_logprobs, sequences, config.steps, config.lr, config.batch_size, calib.manifest["seed"], config.loss,
+            student_logits, checkpoint, on_step=lambda *_: advance(),
+        )
+    with atomic_directory(out) as tmp:
+        student.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        report = {
+            "target": identity,
+            "layers": student.config.num_hidden_layers,
+            "layers_kept": kept,
+            "target_block_influence": data["influence"].tolist(),
+            "vocabulary": int(token_ids.numel()) if token_ids is not None else vocabulary,
+            "data": {"sequences": sequences.shape[0], "prompt_tokens": config.prompt_len, "generated_tokens": generated.numel()},
+            "loss": {"kind": config.loss, "first": losses[0], "last": losses[-1]} if losses else None,
+        }
+        if token_ids is not None:
+            save_file({"token_ids": token_ids.contiguous()}, tmp / VOCAB_TRIM_FILE)
+            report["generated_tokens_in_vocabulary"] = round(float(torch.isin(generated, token_ids).float().mean()), 6)
+        write_json(tmp / DRAFT_REPORT, report)
+        parent = model_chain(config.draft, draft_folder, load_config(draft_folder)) if config.draft else chain
+        write_lineage(tmp, parent, {"stage": "draft", "params": asdict(config), "target": identity, **calibration_record(calib)}, run)
+    resume.remove()
+    return Path(out)
+
+
+@dataclass
+class SpeculationConfig:
+    corpora: str = "austen-heldout,pydoc-heldout"
+    prompts: int = 8  # held-out prompts, shared out over the corpora
+    prompt_len: int = 128
+    new_tokens: int = 64
+    lookahead: str = "4,8"  # draft tokens proposed per target forward; each is measured
+
+    def validate(self) -> None:
+        require_positive(prompts=self.prompts, prompt_len=self.prompt_len, new_tokens=self.new_tokens)
+        require(bool(self.corpus_list), "no evaluation corpus given; pass e.g. --corpora austen-heldout,pydoc-heldout")
+        try:
+            require(all(k > 0 for k in self.lookaheads), f"lookahead values must be positive (got {self.lookahead})")
+        except ValueError as error:
+            raise LmpressError(f"--lookahead must be comma-separated whole numbers such as 4,8 (got {self.lookahead})") from error
+
+    @property
+    def corpus_list(self) -> list[str]:
+        return [name.strip() for name in self.corpora.split(",") if name.strip()]
+
+    @property
+    def lookaheads(self) -> list[int]:
+        return [int(k) for k in self.lookahead.split(",") if k.strip()]
+
+
+def evaluate_draft(draft_model: str, target: str, out: Path | None, config: SpeculationConfig, allow_other_target: bool = False) -> dict:
+    """Speculative greedy decoding of `target` with `draft_model` on held-out prompts: new tokens
+    per target forward, acceptance rate, and wall time against plain greedy decoding (run
+    alternately, prompt by prompt), with the check that both give the same tokens."""
+    import time
+
+    from compressors.speculative import speculative_greedy
+    from pipelines.serving import load_draft
+
+    config.validate()
+    require(out is None or not Path(out).is_dir(), f"metrics path {out} is a directory; pass a .json file path")
+    loaded = load_model(target)
+    model, token_ids = load_draft(draft_model, loaded, allow_other_target)
+    chains = model_chain(target, loaded.folder, loaded.config) + model_chain(draft_model, resolve_model(draft_model), model.config)
+    calibration_documents = [doc for record in chains for doc in record.get("calibration", {}).get("documents", [])]
+    prompts = []
+    for i, corpus in enumerate(config.corpus_list):
+        part = tokenize_part(corpus, loaded.tokenizer)
+        check_disjoint(calibration_documents, part.documents, corpus)
+        share = config.prompts // len(config.corpus_list) + (i < config.prompts % len(config.corpus_list))
+        prompts += [window[None] for window in leading_windows(part, share, config.prompt_len)] if share else []
+    metrics = {
+        "draft": draft_model, "target": target, "draft_layers": model.config.num_hidden_layers,
+        "draft_vocabulary": int(token_ids.numel()) if token_ids is not None else model.config.vocab_size,
+        "prompts": len(prompts), "prompt_len": config.prompt_len, "new_tokens": config.new_tokens, "lookahead": {},
+    }
+    eos = loaded.model.generation_config.eos_token_id
+    with progress_bar("speculative decoding", len(prompts) * len(config.lookaheads)) as advance:
+        for lookahead in config.lookaheads:
+            forwards = accepted = proposed = 0
+            plain_s = speculative_s = 0.0
+            identical = True
+            for prompt in prompts:
+                start = time.perf_counter()
+                plain = loaded.model.generate(prompt, max_new_tokens=config.new_tokens, do_sample=False, pad_token_id=0)
+                plain_s += time.perf_counter() - start
+                start = time.perf_counter()
+                result = speculative_greedy(loaded.model, model, prompt, config.new_tokens, lookahead, token_ids, eos)
+                speculative_s += time.perf_counter() - start
+                identical &= bool(torch.equal(result.tokens, plain))
+                forwards, accepted, proposed = forwards + result.target_forwards, accepted + result.accepted, proposed + result.proposed
+                advance()
+            metrics["lookahead"][str(lookahead)] = {
+                "tokens_per_target_forward": round((accepted + forwards) / forwards, 4),
+                "acceptance_rate": round(accepted / max(proposed, 1), 4),
+                "plain_s": round(plain_s, 3), "speculative_s": round(speculative_s, 3), "speedup": round(plain_s / speculative_s, 3),
+                "identical_output": identical,
+            }
+    if out is not None:
+        write_json(Path(out), metrics)
+    return metrics
+
+
 def _recovery(config) -> tuple[int, float, int]:
     return config.recovery_steps, config.recovery_lr, config.batch_size
 
@@ -847,7 +1075,7 @@ def _recovery(config) -> tuple[int, float, int]:
 def _finish_smaller_model(loaded, parent: str, calib, recovery: tuple[int, float, int], tmp: Path, report: dict, record: dict, chain, run) -> None:
     """Optional recovery by distillation from the parent (`recovery`: steps, learning rate,
     windows per step; 0 steps: none), then the checkpoint, report and lineage."""
-    from compressors.recovery import distill
+    from compressors.recovery import distill, live_teacher
 
     steps, lr, batch_size = recovery
     report["params_after"] = sum(p.numel() for p in loaded.model.parameters())
@@ -855,7 +1083,7 @@ def _finish_smaller_model(loaded, parent: str, calib, recovery: tuple[int, float
         teacher = load_model(parent).model
         with progress_bar("recovery (distillation)", steps) as advance:
             losses = distill(
-                loaded.model, teacher, calib.input_ids, steps, lr, batch_size,
+                loaded.model, live_teacher(teacher), calib.input_ids, steps, lr, batch_size,
                 seed=calib.manifest["seed"], on_step=lambda *_: advance(),
             )
         report["recovery_kl"] = {"first": losses[0], "last": losses[-1]}
