@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--layers", default="4,6,8")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--vocab-trim", type=int, default=8192)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--lookahead", default="4,8")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "draft_quality")
@@ -84,6 +84,9 @@ def main() -> None:
                 "target": name, "draft layers": layers, "layers kept": report["layers_kept"], "steps": args.steps,
                 "training sequences x tokens": f"{report['data']['sequences']} x {report['data']['prompt_tokens'] + report['data']['generated_tokens'] // report['data']['sequences']}",
                 "KL first -> last": f"{report['loss']['first']:.3f} -> {report['loss']['last']:.3f}" if report["loss"] else "",
+                "target continuations + teacher pass s": lineage["run"]["phases_s"]["load_and_data"],
+                "distillation s": lineage["run"]["phases_s"]["distill"],
+                "s / step": round(lineage["run"]["phases_s"]["distill"] / max(args.steps, 1), 2),
                 "stage wall s": lineage["run"]["wall_time_s"], "peak RSS MB": round(lineage["run"]["peak_rss_bytes"] / 2**20),
             })
             print(json.dumps(training[-1]), flush=True)

@@ -10,6 +10,7 @@ step) and the checkpoint format must be safetensors, not a trainer's pickles.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -79,6 +80,7 @@ def distill(
     student_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
     checkpoint: TrainingCheckpoint | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    cosine_decay: bool = False,
 ) -> list[float]:
     """Train the student's parameters that require grad for `steps` batches of `input_ids`
     (in a seeded shuffled order, cycled: calibration windows are stored grouped by corpus part,
@@ -88,7 +90,8 @@ def distill(
     (their token ids `ids`); `student_logits(ids)` the student's logits over the same
     vocabulary (default: the student's own forward). With a `checkpoint`, training resumes
     from its saved step and saves every `checkpoint.every` steps: an interrupted run continues
-    to the same result as an uninterrupted one."""
+    to the same result as an uninterrupted one. `cosine_decay`: the learning rate falls from
+    `lr` to 0 along a half cosine over the steps (set from the step, so resuming keeps it)."""
     torch.manual_seed(seed)
     student.train()
     named = {name: p for name, p in student.named_parameters() if p.requires_grad}
@@ -98,6 +101,9 @@ def distill(
     forward = student_logits or (lambda ids: student(input_ids=ids, use_cache=False).logits)
     losses = checkpoint.restore(named, optimizer) if checkpoint is not None else []
     for step in range(len(losses), steps):
+        if cosine_decay:
+            for group in optimizer.param_groups:
+                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
         rows = batches[step % len(batches)]
         ids = input_ids[rows]
         with torch.no_grad():

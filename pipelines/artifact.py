@@ -186,10 +186,17 @@ class StageRun:
     """Times a stage and records its peak resident memory, for the record's `run` part."""
 
     def __init__(self):
-        self.start = time.perf_counter()
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        """Record the time since the previous lap (or the start) as `phase`."""
+        now = time.perf_counter()
+        self.phases[phase], self.last = round(now - self.last, 3), now
 
     def info(self) -> dict:
         return {
+            **({"phases_s": self.phases} if self.phases else {}),
             "wall_time_s": round(time.perf_counter() - self.start, 3),
             "peak_rss_bytes": peak_rss_bytes(),
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

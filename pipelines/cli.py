@@ -231,13 +231,15 @@ def draft(
     draft_model: str = typer.Option("", "--draft", help="Instead of --layers: a draft to distill, e.g. a structured-pruned copy of the target or any small model with its tokenizer."),
     selection: str = typer.Option("influence", help="Which layers: influence (those that change the target's hidden states most, measured on its outputs) or even (evenly spaced)."),
     vocab_trim: int = typer.Option(0, "--vocab-trim", help="Keep this many LM-head rows, the tokens the target emits most (VOCABTRIM); 0: the whole vocabulary."),
+    real_windows: int = typer.Option(0, "--real-windows", help="Also distill on this many calibration windows of real text, cut to the generated sequences' length (0: the target's continuations only)."),
     steps: int = typer.Option(200, help="Distillation steps (0: the undistilled draft)."),
-    lr: float = typer.Option(3e-4, help="Distillation learning rate (AdamW)."),
+    lr: float = typer.Option(1e-3, help="Distillation learning rate (AdamW)."),
+    cosine_decay: Switch = typer.Option(Switch.false, "--cosine-decay", help="Let the learning rate fall to 0 along a half cosine."),
     batch_size: int = typer.Option(4, "--batch-size", help="Sequences per distillation step."),
     loss: str = typer.Option("kl", help="kl (forward KL to the target's next-token distribution) or tvd (total variation distance)."),
     prompts: int = typer.Option(64, help="Calibration windows whose beginnings the target continues."),
-    prompt_len: int = typer.Option(32, "--prompt-len", help="Tokens of each prompt."),
-    new_tokens: int = typer.Option(224, "--new-tokens", help="Tokens the target generates per prompt (greedy)."),
+    prompt_len: int = typer.Option(128, "--prompt-len", help="Tokens of each prompt (real text the draft learns to continue from)."),
+    new_tokens: int = typer.Option(128, "--new-tokens", help="Tokens the target generates per prompt (greedy)."),
     checkpoint_every: int = typer.Option(25, "--checkpoint-every", help="Steps between resumable checkpoints."),
 ):
     """Build a draft for speculative decoding from the target and distill it on the target's own outputs."""
@@ -245,7 +247,8 @@ def draft(
 
     config = DraftConfig(
         layers=layers, draft=draft_model, selection=selection, vocab_trim=vocab_trim, prompts=prompts, prompt_len=prompt_len,
-        new_tokens=new_tokens, steps=steps, lr=lr, batch_size=batch_size, loss=loss, checkpoint_every=checkpoint_every,
+        new_tokens=new_tokens, real_windows=real_windows, steps=steps, lr=lr, cosine_decay=bool(cosine_decay), batch_size=batch_size,
+        loss=loss, checkpoint_every=checkpoint_every,
     )
     path = run(target, calibration, out, config)
     out_console.print(f"draft written to {path}", markup=False, highlight=False)

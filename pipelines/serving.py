@@ -218,10 +218,10 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
     from pipelines.errors import LmpressError
     from pipelines.models import resolve_model
     from pipelines.progress import stderr
-    from pipelines.stages import VOCAB_TRIM_FILE, check_same_tokenizer
+    from pipelines.stages import VOCAB_TRIM_FILE, check_draft_fits
 
     folder = resolve_model(spec)
-    check_same_tokenizer(folder, target.folder)
+    check_draft_fits(folder, target.folder)
     lineage = read_lineage(folder)
     record = lineage["chain"][-1] if lineage else {}
     if record.get("stage") == "draft":

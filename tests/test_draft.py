@@ -92,9 +92,10 @@ def test_distillation_lowers_the_drafts_divergence_from_the_target(tmp_path, tin
     out = draft(str(folder), calibration, tmp_path / "d", DraftConfig(layers=1, steps=30, lr=1e-3, **SMALL))
     loss = json.loads((out / "draft.json").read_text())["loss"]
     assert loss["last"] < 0.7 * loss["first"], loss
-    tvd = draft(str(folder), calibration, tmp_path / "tvd", DraftConfig(layers=1, steps=30, lr=1e-3, loss="tvd", **SMALL))
-    loss = json.loads((tvd / "draft.json").read_text())["loss"]
-    assert 0 < loss["last"] < loss["first"] <= 1, loss
+    config = DraftConfig(layers=1, steps=30, lr=1e-3, loss="tvd", real_windows=2, cosine_decay=True, **SMALL)
+    report = json.loads((draft(str(folder), calibration, tmp_path / "tvd", config) / "draft.json").read_text())
+    assert 0 < report["loss"]["last"] < report["loss"]["first"] <= 1, report["loss"]
+    assert report["data"]["real_text_sequences"] == 4  # two 32-token windows cut into 16-token sequences
 
 
 def test_an_interrupted_distillation_resumes_to_the_same_bytes(tmp_path, tiny_target, monkeypatch):
@@ -168,15 +169,21 @@ def test_draft_bad_input_fails_cleanly(tmp_path, tiny_target, real_model_folder)
     tokenizer = AutoTokenizer.from_pretrained(other)
     tokenizer.add_tokens(["<extra_0>"])
     tokenizer.save_pretrained(other)
+    padded = save_tiny(tmp_path / "padded-vocabulary", tiny_config("llama"), real_model_folder)
+    model = AutoModelForCausalLM.from_pretrained(padded)
+    model.resize_token_embeddings(49280)
+    model.save_pretrained(padded)
     out = tmp_path / "draft"
     cases = [
         (DraftConfig(layers=4), "--layers 4 is not fewer than the target's 4 layers"),
+        (DraftConfig(layers=0, draft=str(padded)), "has 49280 vocabulary rows, the target 49152"),
         (DraftConfig(layers=0), "pass --layers N"),
         (DraftConfig(layers=2, draft=str(folder)), "not both"),
         (DraftConfig(layers=0, draft=str(other)), "does not share the target's tokenizer"),
         (DraftConfig(layers=2, vocab_trim=49152), "not below the vocabulary's 49152 tokens"),
         (DraftConfig(layers=2, loss="mse"), "unknown loss 'mse'"),
         (DraftConfig(layers=2, prompt_len=64), "longer than the calibration windows"),
+        (DraftConfig(layers=2, prompt_len=16, new_tokens=24, real_windows=2), "make those shorter"),
     ]
     for config, message in cases:
         with pytest.raises(LmpressError, match=message):
