@@ -53,6 +53,7 @@ class TrainingCheckpoint:
                 with torch.no_grad():
                     parameter.copy_(handle.get_tensor(f"param/{name}"))
                 state = {key: handle.get_tensor(f"{key}/{name}") for key in ("step", "exp_avg", "exp_avg_sq") if f"{key}/{name}" in saved}
+                state = {key: value if key == "step" else value.to(parameter.device) for key, value in state.items()}  # AdamW keeps step on the CPU
                 if state:  # a parameter that got no gradient yet has no AdamW state
                     optimizer.state[parameter] = state
         return losses
@@ -60,9 +61,9 @@ class TrainingCheckpoint:
     def save(self, named: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, losses: list[float]) -> None:
         tensors = {}
         for name, parameter in named.items():
-            tensors[f"param/{name}"] = parameter.detach().contiguous()
+            tensors[f"param/{name}"] = parameter.detach().cpu().contiguous()
             for key, value in optimizer.state[parameter].items():
-                tensors[f"{key}/{name}"] = value.contiguous()
+                tensors[f"{key}/{name}"] = value.cpu().contiguous()
         partial = self.path.with_name(self.path.name + ".partial")
         save_file(tensors, partial, metadata={"losses": json.dumps(losses)})
         partial.replace(self.path)

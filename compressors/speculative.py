@@ -18,13 +18,15 @@ from torch import nn
 @dataclass
 class SpeculativeResult:
     tokens: torch.Tensor  # [1, prompt + new]
+    prompt_len: int
     target_forwards: int  # target passes, the prompt's included: each yields one target token
     proposed: int  # draft tokens offered to the target
     accepted: int  # draft tokens the target agreed with
 
     @property
     def new_tokens(self) -> int:
-        return self.accepted + self.target_forwards
+        """Tokens returned: accepted + target_forwards, less any decoded past an end-of-text."""
+        return self.tokens.shape[1] - self.prompt_len
 
     @property
     def tokens_per_target_forward(self) -> float:
@@ -87,4 +89,4 @@ def speculative_greedy(
         forwards, proposed, accepted = forwards + 1, proposed + offered.numel(), accepted + agree
     stopped = torch.isin(tokens[0, prompt:], stops).nonzero()
     end = prompt + (int(stopped[0]) + 1 if stopped.numel() else max_new_tokens)
-    return SpeculativeResult(tokens[:, :end], forwards, proposed, accepted)
+    return SpeculativeResult(tokens[:, :end], prompt, forwards, proposed, accepted)

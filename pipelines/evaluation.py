@@ -41,6 +41,9 @@ class LMHead:
             return self
         return LMHead(self.weight[token_ids], None if self.bias is None else self.bias[token_ids], self.softcap)
 
+    def to(self, device) -> "LMHead":
+        return LMHead(self.weight.to(device), None if self.bias is None else self.bias.to(device), self.softcap)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap

@@ -937,6 +937,7 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
         not config.real_windows or length <= seq_len,
         f"--real-windows cuts the calibration windows ({seq_len} tokens) into sequences of --prompt-len + --new-tokens ({length}); make those shorter",
     )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # data and training on a GPU when there is one
     identity = model_identity(target, loaded.folder, chain)
     source = model_identity(config.draft, draft_folder, model_chain(config.draft, draft_folder, load_config(draft_folder))) if config.draft else None
     resume = ResumeFolder(out, inputs_key(identity, source, asdict(config), calib.manifest["data_sha256"], calib.manifest["seed"]))
@@ -947,15 +948,17 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
         data = load_file(data_file)
     else:
         prompts = calib.spread_samples(config.prompts)[:, : config.prompt_len].contiguous()
+        loaded.model.to(device)
         with progress_bar("draft: target continuations", prompts.shape[0]) as advance:
-            sequences = generate_continuations(loaded.model, prompts, config.new_tokens, GENERATE_BATCH, advance)
+            sequences = generate_continuations(loaded.model, prompts.to(device), config.new_tokens, GENERATE_BATCH, advance).cpu()
         if config.real_windows:  # real text, as the target reads it, beside its own continuations
             real = calib.spread_samples(config.real_windows)
             length = sequences.shape[1]
             sequences = torch.cat([sequences, real[:, : real.shape[1] // length * length].reshape(-1, length)])
-        hidden, influence = teacher_pass(loaded.model, sequences, config.batch_size)
+        hidden, influence = teacher_pass(loaded.model, sequences.to(device), config.batch_size)
+        loaded.model.cpu()
         data = {
-            "input_ids": sequences.contiguous(), "hidden": hidden.contiguous(), "influence": torch.tensor(influence, dtype=torch.float64),
+            "input_ids": sequences.contiguous(), "hidden": hidden.cpu().contiguous(), "influence": torch.tensor(influence, dtype=torch.float64),
             "generated_sequences": torch.tensor(prompts.shape[0]),
         }
         save_file(data, data_file.with_name("data.partial"))
@@ -977,14 +980,15 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
     for embedding in (student.get_input_embeddings(), student.get_output_embeddings()):
         embedding.weight.requires_grad_(False)  # the largest part, and the space the target's tokens live in: kept as is
     token_ids = emitted_vocabulary(generated, sequences[:prompted, : config.prompt_len], vocabulary, config.vocab_trim) if config.vocab_trim else None
-    teacher_head, student_head = LMHead.of(loaded.model).rows(token_ids), LMHead.of(student).rows(token_ids)
+    student.to(device)
+    teacher_head, student_head = (LMHead.of(model).rows(token_ids).to(device) for model in (loaded.model, student))
     del loaded  # the teacher is its cached hidden states from here on
 
     def teacher_logprobs(rows, ids):  # over the kept vocabulary: the target's distribution renormalized to it
-        return teacher_head.logits(hidden[rows]).float().log_softmax(dim=-1)
+        return teacher_head.logits(hidden[rows].to(device)).float().log_softmax(dim=-1)
 
     def student_logits(ids):
-        return student_head.logits(student.base_model(input_ids=ids, use_cache=False).last_hidden_state)
+        return student_head.logits(student.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state)
 
     with progress_bar("draft: distillation", config.steps) as advance:
         checkpoint = TrainingCheckpoint(resume.file("training.safetensors"), config.checkpoint_every)
@@ -993,6 +997,7 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
             student_logits, checkpoint, on_step=lambda *_: advance(), cosine_decay=config.cosine_decay,
         )
     run.lap("distill")
+    student.cpu()
     with atomic_directory(out) as tmp:
         student.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -1072,7 +1077,7 @@ def evaluate_draft(draft_model: str, target: str, out: Path | None, config: Spec
     eos = loaded.model.generation_config.eos_token_id
     with progress_bar("speculative decoding", len(prompts) * len(config.lookaheads)) as advance:
         for lookahead in config.lookaheads:
-            forwards = accepted = proposed = 0
+            forwards = accepted = proposed = new = 0
             plain_s = speculative_s = 0.0
             identical = True
             for prompt in prompts:
@@ -1084,9 +1089,10 @@ def evaluate_draft(draft_model: str, target: str, out: Path | None, config: Spec
                 speculative_s += time.perf_counter() - start
                 identical &= bool(torch.equal(result.tokens, plain))
                 forwards, accepted, proposed = forwards + result.target_forwards, accepted + result.accepted, proposed + result.proposed
+                new += result.new_tokens
                 advance()
             metrics["lookahead"][str(lookahead)] = {
-                "tokens_per_target_forward": round((accepted + forwards) / forwards, 4),
+                "tokens_per_target_forward": round(new / forwards, 4),
                 "acceptance_rate": round(accepted / max(proposed, 1), 4),
                 "plain_s": round(plain_s, 3), "speculative_s": round(speculative_s, 3), "speedup": round(plain_s / speculative_s, 3),
                 "identical_output": identical,

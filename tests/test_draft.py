@@ -85,6 +85,9 @@ def test_draft_is_a_stock_checkpoint_paired_with_its_target(tmp_path, tiny_targe
     prompt = load_file(calibration / "samples.safetensors")["input_ids"][:1, :12]
     greedy = target.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert torch.equal(speculative_greedy(target, model, prompt, 16, 4, token_ids).tokens, greedy)
+    # the checkpoint as stock transformers opens it (full head) serves its assisted generation
+    assistant = AutoModelForCausalLM.from_pretrained(trained)
+    assert torch.equal(target.generate(prompt, assistant_model=assistant, max_new_tokens=16, do_sample=False, pad_token_id=0), greedy)
 
 
 def test_distillation_lowers_the_drafts_divergence_from_the_target(tmp_path, tiny_target):

@@ -51,3 +51,12 @@ def test_a_remapped_draft_vocabulary_is_verified_in_target_ids(target_and_prompt
     assert torch.equal(result.tokens, greedy) and result.acceptance_rate == 1.0
     unmapped = speculative_greedy(target, draft, prompt, 30, 4)
     assert torch.equal(unmapped.tokens, greedy) and unmapped.acceptance_rate < 0.5
+
+
+def test_decoding_stops_after_an_end_of_text_token_as_generate_does(target_and_prompt):
+    target, prompt, greedy = target_and_prompt
+    eos = int(greedy[0, prompt.shape[1] + 10])  # a token the target emits 11th
+    stopped = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    for draft in (target, tiny(1)):
+        result = speculative_greedy(target, draft, prompt, 30, 4, eos_token_id=eos)
+        assert torch.equal(result.tokens, stopped) and result.new_tokens == stopped.shape[1] - prompt.shape[1] <= 11
