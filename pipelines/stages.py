@@ -128,12 +128,7 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
         # a model lmpress did not make (another tool's output): the user names its base
         base_folder = resolve_model(base)
         chain = [base_record(base, base_folder, load_config(base_folder)), {"stage": "external", **chain[0]}]
-    calibration_documents = [doc for record in chain for doc in record.get("calibration", {}).get("documents", [])]
-    windows = {}
-    for corpus in config.corpus_list:
-        part = tokenize_part(corpus, loaded.tokenizer)
-        check_disjoint(calibration_documents, part.documents, corpus)
-        windows[corpus] = (leading_windows(part, config.windows, config.seq_len), part.documents)
+    windows = {corpus: held_out_windows(corpus, loaded.tokenizer, chain, config.windows, config.seq_len) for corpus in config.corpus_list}
 
     building = not (reference / "manifest.json").is_file()
     is_base = len(chain) == 1 and base in (None, model)
@@ -172,6 +167,15 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
     if out is not None:
         write_json(Path(out), metrics)
     return metrics
+
+
+def held_out_windows(corpus: str, tokenizer, chain: list[dict], windows: int, seq_len: int) -> tuple[torch.Tensor, list[str]]:
+    """The first `windows` windows of held-out `corpus` and its documents, checked to share no
+    document with the calibration data of any stage in `chain`."""
+    part = tokenize_part(corpus, tokenizer)
+    calibration_documents = [doc for record in chain for doc in record.get("calibration", {}).get("documents", [])]
+    check_disjoint(calibration_documents, part.documents, corpus)
+    return leading_windows(part, windows, seq_len), part.documents
 
 
 def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfig) -> None:
@@ -1062,13 +1066,10 @@ def evaluate_draft(draft_model: str, target: str, out: Path | None, config: Spec
     loaded = load_model(target)
     model, token_ids = load_draft(draft_model, loaded, allow_other_target)
     chains = model_chain(target, loaded.folder, loaded.config) + model_chain(draft_model, resolve_model(draft_model), model.config)
-    calibration_documents = [doc for record in chains for doc in record.get("calibration", {}).get("documents", [])]
     prompts = []
     for i, corpus in enumerate(config.corpus_list):
-        part = tokenize_part(corpus, loaded.tokenizer)
-        check_disjoint(calibration_documents, part.documents, corpus)
         share = config.prompts // len(config.corpus_list) + (i < config.prompts % len(config.corpus_list))
-        prompts += [window[None] for window in leading_windows(part, share, config.prompt_len)] if share else []
+        prompts += [window[None] for window in held_out_windows(corpus, loaded.tokenizer, chains, share, config.prompt_len)[0]] if share else []
     metrics = {
         "draft": draft_model, "target": target, "draft_layers": model.config.num_hidden_layers,
         "draft_vocabulary": int(token_ids.numel()) if token_ids is not None else model.config.vocab_size,
