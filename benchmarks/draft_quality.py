@@ -74,10 +74,10 @@ def main() -> None:
         for layers in map(int, args.layers.split(",")):
             distilled = scratch / f"{name}-{layers}"
             command = [
-                str(ROOT / ".venv/bin/lmpress"), "draft", "--target", target, "--calibration", args.calibration, "--layers", str(layers),
+                sys.executable, "-m", "pipelines.cli", "draft", "--target", target, "--calibration", args.calibration, "--layers", str(layers),
                 "--vocab-trim", str(args.vocab_trim), "--steps", str(args.steps), "--lr", str(args.lr), "--out", str(distilled),
             ]
-            subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            subprocess.run(command, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})  # this tree's code
             lineage = json.loads((distilled / "lineage.json").read_text())["chain"][-1]
             report = json.loads((distilled / "draft.json").read_text())
             training.append({
