@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from compressors.structured import block_influence
+from compressors.structured import BlockInfluence
 from pipelines.models import decoder_layers
 
 SELECTIONS = ("influence", "even")
@@ -48,34 +48,21 @@ def generate_continuations(
 def teacher_pass(target: nn.Module, sequences: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, list[float]]:
     """The target's final (normed) hidden states [n, T, hidden] on `sequences`, and per decoder
     layer its block influence (1 - mean cos(input, output)) on the same tokens."""
-    layers = decoder_layers(target)
-    pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layers]
+    influences = [BlockInfluence() for _ in decoder_layers(target)]
 
-    def recorder(index: int):
+    def recorder(influence: BlockInfluence):
         def hook(module, args, kwargs, output):
-            hidden_in = args[0] if args else kwargs["hidden_states"]
-            hidden_out = output[0] if isinstance(output, tuple) else output
-            pairs[index].append((hidden_in, hidden_out))
+            influence.add(args[0] if args else kwargs["hidden_states"], output[0] if isinstance(output, tuple) else output)
 
         return hook
 
-    handles = [layer.register_forward_hook(recorder(i), with_kwargs=True) for i, layer in enumerate(layers)]
-    influence_parts: list[list[float]] = [[] for _ in layers]
-    hidden = []
+    handles = [layer.register_forward_hook(recorder(i), with_kwargs=True) for layer, i in zip(decoder_layers(target), influences)]
     try:
-        for batch in sequences.split(batch_size):
-            hidden.append(target.base_model(input_ids=batch, use_cache=False).last_hidden_state.float())
-            for index, recorded in enumerate(pairs):
-                (inputs, outputs), = recorded
-                influence_parts[index].append(1 - block_influence([inputs], [outputs]))  # mean cosine of this batch
-                recorded.clear()
+        hidden = [target.base_model(input_ids=batch, use_cache=False).last_hidden_state.float() for batch in sequences.split(batch_size)]
     finally:
         for handle in handles:
             handle.remove()
-    # equal batch sizes but possibly a shorter last one: weight each batch's mean by its tokens
-    weights = torch.tensor([b.numel() for b in sequences.split(batch_size)], dtype=torch.float64)
-    influence = [1 - float((torch.tensor(parts, dtype=torch.float64) * weights).sum() / weights.sum()) for parts in influence_parts]
-    return torch.cat(hidden), influence
+    return torch.cat(hidden), [influence.value for influence in influences]
 
 
 def choose_layers(layers: int, keep: int, influence: list[float] | None) -> list[int]:

@@ -197,14 +197,27 @@ def prune_heads(attention: nn.Module, keep_groups: torch.Tensor, config, o_mean:
     attention.o_proj = _linear(attention.o_proj.weight.data[:, q_rows], _bias(attention.o_proj, compensation, biased))
 
 
-def block_influence(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> float:
+class BlockInfluence:
     """1 - mean cosine similarity between a layer's input and output hidden states, over all
-    tokens: how much the layer turns the residual stream."""
-    total, count = 0.0, 0
-    for x, y in zip(inputs, outputs):
+    tokens added: how much the layer turns the residual stream."""
+
+    def __init__(self):
+        self.total, self.count = 0.0, 0
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         cos = torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1)
-        total, count = total + cos.sum().item(), count + cos.numel()
-    return 1 - total / count
+        self.total, self.count = self.total + cos.sum().item(), self.count + cos.numel()
+
+    @property
+    def value(self) -> float:
+        return 1 - self.total / self.count
+
+
+def block_influence(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> float:
+    influence = BlockInfluence()
+    for x, y in zip(inputs, outputs):
+        influence.add(x, y)
+    return influence.value
 
 
 def keep_layers(model: nn.Module, kept: list[int]) -> None:

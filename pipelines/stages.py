@@ -921,7 +921,7 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
     target_config = load_config(target_folder)
     if config.draft:
         draft_folder = resolve_model(config.draft)
-        load_config(draft_folder)
+        draft_chain = model_chain(config.draft, draft_folder, load_config(draft_folder))
         check_draft_fits(draft_folder, target_folder)
     else:
         depth = target_config.num_hidden_layers
@@ -943,7 +943,7 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # data and training on a GPU when there is one
     identity = model_identity(target, loaded.folder, chain)
-    source = model_identity(config.draft, draft_folder, model_chain(config.draft, draft_folder, load_config(draft_folder))) if config.draft else None
+    source = model_identity(config.draft, draft_folder, draft_chain) if config.draft else None
     resume = ResumeFolder(out, inputs_key(identity, source, asdict(config), calib.manifest["data_sha256"], calib.manifest["seed"]))
 
     # the data: the target's continuations of calibration prompts and its final hidden states on them
@@ -1021,8 +1021,7 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
             save_file({"token_ids": token_ids.contiguous()}, tmp / VOCAB_TRIM_FILE)
             report["generated_tokens_in_vocabulary"] = round(float(torch.isin(generated, token_ids).float().mean()), 6)
         write_json(tmp / DRAFT_REPORT, report)
-        parent = model_chain(config.draft, draft_folder, load_config(draft_folder)) if config.draft else chain
-        write_lineage(tmp, parent, {"stage": "draft", "params": asdict(config), "target": identity, **calibration_record(calib)}, run)
+        write_lineage(tmp, draft_chain if config.draft else chain, {"stage": "draft", "params": asdict(config), "target": identity, **calibration_record(calib)}, run)
     resume.remove()
     return Path(out)
 
