@@ -5,11 +5,13 @@
 Needs a CUDA GPU (on the CPU Triton only interprets, so no speed means anything there; run it
 with --smoke to check the script itself on tiny shapes). Random weights, since speed does not
 depend on values. Per shape (N x K: out x in) and batch: torch fp16 matmul (dense), lmpress's
-Triton kernels for int4 group 128, int3 group 128, int4 asymmetric group 128, a 4-bit
-codebook, and 2:4 sparse weights with fp16 values or int4 values (group 128 over the inputs);
+Triton kernels for int4 group 128, int8 group 128, int3 group 128, int4 asymmetric group
+128, a 4-bit codebook, and 2:4 sparse weights with fp16 values or int4 values (group 128 over the inputs);
 bitsandbytes NF4 when it is installed, and torch's own 2:4 path (`to_sparse_semi_structured`,
-cuSPARSELt/CUTLASS) on the same 2:4 weight; each as time and speedup over fp16. At
-batch 1 it also reports the bandwidth each kernel achieves (bytes it must read / time) as a
+cuSPARSELt/CUTLASS) on the same 2:4 weight; each as time and speedup over fp16. Times are GPU
+time per call, median, replayed from a CUDA graph (no launch overhead, as in serving engines),
+round-robin over copies of the weight that overflow the L2 cache, so weights come from device
+memory (`compressors.kernels.weight_seconds`). At batch 1 it also reports the bandwidth each kernel achieves (bytes it must read / time) as a
 fraction of the device's measured copy bandwidth (a large device-to-device copy), which is the
 roof for a memory-bound GEMV. Results: benchmarks/results/kernel_speed.{json,md}.
 """
@@ -25,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from compressors import packed_int  # noqa: E402
+from compressors.kernels import gpu_seconds, l2_overflowing_copies, weight_seconds  # noqa: E402
 from compressors.packed_int import PackedWeight, matmul_reference, matmul_triton  # noqa: E402
 
 
@@ -40,7 +44,7 @@ def random_packed(kind: str, n: int, k: int, device, group: int = 128) -> Packed
             return PackedWeight(values, None, 16, k, bitmask=bitmask).to(device)
         kept = random_packed("int4", n, k // 2, "cpu", group // 2)
         return PackedWeight(kept.packed, kept.scale, 4, k, bitmask=bitmask).to(device)
-    bits = 3 if kind == "int3" else 4
+    bits = {"int3": 3, "int8": 8}.get(kind, 4)
     codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), dtype=torch.int8)
     packed = pack_to_int32(codes, bits)
     if kind == "codebook4":
@@ -50,43 +54,23 @@ def random_packed(kind: str, n: int, k: int, device, group: int = 128) -> Packed
     return PackedWeight(packed, scale, bits, k, zero).to(device)
 
 
-def stored_bytes(weight: PackedWeight) -> int:
-    parts = (weight.packed, weight.scale, weight.zero, weight.codebook, weight.bitmask)
-    return sum(t.numel() * t.element_size() for t in parts if t is not None)
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds per call, with CUDA events, after a warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2]
-
-
 def copy_bandwidth(device) -> float:
     """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / timed(lambda: dst.copy_(src), 20)
+    return 2 * src.numel() / gpu_seconds([lambda: dst.copy_(src)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096", help="NxK (out x in), comma-separated")
     parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--kinds", default="int4,int8,int3,int4-asym,codebook4,sparse24-fp16,sparse24-int4", help="packed weights to time")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works in the Triton interpreter)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_speed")
     args = parser.parse_args()
 
-    kinds = ("int4", "int3", "int4-asym", "codebook4", "sparse24-fp16", "sparse24-int4")
+    kinds = tuple(args.kinds.split(","))
     if args.smoke:
         for kind in kinds:
             weight = random_packed(kind, 64, 256, "cpu")
@@ -114,41 +98,48 @@ def main() -> None:
         try:  # torch's 2:4 path on a 2:4 weight of the same shape
             from torch.sparse import to_sparse_semi_structured
 
-            semi_structured = to_sparse_semi_structured(dense * (torch.arange(k, device=device) % 4 < 2))
+            dense24 = dense * (torch.arange(k, device=device) % 4 < 2)
+            semi_structured = [to_sparse_semi_structured(dense24.clone()) for _ in range(l2_overflowing_copies(dense24.nbytes // 2))]
         except (RuntimeError, ValueError, ImportError) as error:
             semi_structured = None
             print(f"torch semi-structured sparsity unavailable: {error}")
         for batch in map(int, args.batches.split(",")):
             x = torch.randn(batch, k, device=device, dtype=torch.float16)
-            fp16 = timed(lambda: x @ dense.T, args.repeats)
+            fp16 = weight_seconds(lambda w: x @ w.T, dense)
             row = {"shape": f"{n}x{k}", "batch": batch, "fp16_us": round(fp16 * 1e6, 1)}
             if batch == 1:
                 row["fp16_bandwidth_fraction"] = round(2 * n * k / fp16 / bandwidth, 3)
             for kind, weight in weights.items():
                 error = (matmul_triton(x, weight).float() - matmul_reference(x, weight).float()).abs().max().item()
-                seconds = timed(lambda: matmul_triton(x, weight), args.repeats)
+                seconds = weight_seconds(lambda w: matmul_triton(x, w), weight)
                 row[f"{kind}_us"], row[f"{kind}_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
                 row[f"{kind}_max_abs_error"] = error
+                if kind in ("int4", "int8"):  # the launch shape the autotuner chose
+                    tuned = (packed_int._GEMV if batch == 1 else packed_int._GEMM)[0]
+                    row[f"{kind}_config"] = str(getattr(tuned, "best_config", ""))
                 if batch == 1:
-                    row[f"{kind}_bandwidth_fraction"] = round(stored_bytes(weight) / seconds / bandwidth, 3)
+                    row[f"{kind}_bandwidth_fraction"] = round(weight.nbytes / seconds / bandwidth, 3)
             if semi_structured is not None:
-                try:
-                    seconds = timed(lambda: torch.nn.functional.linear(x, semi_structured), args.repeats)
+                try:  # its sparse kernels may refuse a shape, a batch or graph capture
+                    seconds = gpu_seconds([lambda s=s: torch.nn.functional.linear(x, s) for s in semi_structured])
                     row["torch_24_us"], row["torch_24_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
                 except (RuntimeError, ValueError) as error:  # shapes/batches its backend does not take
                     row["torch_24_error"] = str(error).splitlines()[0][:120]
             if nf4 is not None:
                 packed, state = nf4  # as transformers' Linear4bit calls it: GEMV at batch 1, else dequantize + matmul
-                seconds = timed(lambda: bitsandbytes.matmul_4bit(x, packed.t(), quant_state=state), args.repeats)
-                row["bnb_nf4_us"], row["bnb_nf4_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
+                try:
+                    seconds = weight_seconds(lambda w: bitsandbytes.matmul_4bit(x, w.t(), quant_state=state), packed)
+                    row["bnb_nf4_us"], row["bnb_nf4_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
+                except RuntimeError as error:
+                    row["bnb_nf4_error"] = str(error).splitlines()[0][:120]
             rows.append(row)
             print(json.dumps(row), flush=True)
 
     report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    columns = ["fp16_us", *[f"{kind}_speedup" for kind in kinds], "torch_24_speedup", "bnb_nf4_speedup", "int4_bandwidth_fraction",
-               "sparse24-int4_bandwidth_fraction"]
+    columns = ["fp16_us", *[f"{kind}_speedup" for kind in kinds], "torch_24_speedup", "bnb_nf4_speedup", "fp16_bandwidth_fraction",
+               *[f"{kind}_bandwidth_fraction" for kind in kinds]]
     lines = [f"{report['device']}, copy bandwidth {report['copy_bandwidth_GBps']} GB/s", "",
              "| shape | batch | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     for row in rows:

@@ -89,6 +89,42 @@ def self_check(kernel: Kernel, device: torch.device) -> bool:
     return _self_checked[key]
 
 
+def gpu_seconds(calls: list[Callable[[], object]], replays: int = 25) -> float:
+    """Median GPU seconds per call. The calls are captured in one CUDA graph and replayed, so
+    launch overhead is not counted (serving engines replay graphs too). Give one call per copy
+    of the weights, enough copies to overflow the L2 cache (`l2_overflowing_copies`), so the
+    weights come from device memory as they do when a model serves."""
+    for call in calls:  # compile and autotune outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def weight_seconds(run: Callable[[object], object], weight) -> float:
+    """GPU seconds of `run(weight)` with the weight read from device memory: timed round-robin
+    over enough copies of it (a tensor or a PackedWeight) to overflow the L2 cache."""
+    copies = [weight] + [weight.clone() for _ in range(l2_overflowing_copies(weight.nbytes) - 1)]
+    return gpu_seconds([lambda copy=copy: run(copy) for copy in copies])
+
+
+def l2_overflowing_copies(nbytes: int, limit: int = 512) -> int:
+    """How many copies of `nbytes` of weights fill three times the GPU's L2 cache."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(limit, -(-3 * l2 // nbytes)))
+
+
 def select_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
     if not triton_runs_on(device):
         return None

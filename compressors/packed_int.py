@@ -129,26 +129,32 @@ def _weight_tile(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, rk, N, K, str
         inside = inside & (((nibble >> slot) & 1) == 1)
         column = (rk[None, :] // 4) * 2 + (below & 1) + ((below >> 1) & 1) + ((below >> 2) & 1)
     if BITS == 16:  # fp16 values, stored as they are
-        return tl.load(packed_ptr + rn[:, None] * stride_pn + column, mask=inside, other=0.0).to(tl.float32)
+        value = tl.load(packed_ptr + rn[:, None] * stride_pn + column, mask=inside, other=0.0).to(tl.float32)
+    else:
+        code = _codes_at(packed_ptr, rn, column, inside, stride_pn, BITS)
+        if CODEBOOK:
+            value = tl.load(table_ptr + rn[:, None] * stride_tn + code, mask=inside, other=0.0).to(tl.float32)
+        else:
+            group = column // group_size
+            q = (code - (1 << (BITS - 1))).to(tl.float32)
+            if HAS_ZERO:
+                q -= tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=inside, other=0).to(tl.float32)
+            value = q * tl.load(table_ptr + rn[:, None] * stride_tn + group, mask=inside, other=0.0).to(tl.float32)
+    return value
+
+
+@triton.jit
+def _codes_at(packed_ptr, rn, column, inside, stride_pn, BITS: tl.constexpr):
+    """Unsigned codes of rows rn at stored columns `column`, one word load per code."""
     position = column * BITS
-    offset = position % 32
+    offset = (position % 32).to(tl.uint32)
     row = packed_ptr + rn[:, None] * stride_pn + position // 32
-    word = tl.load(row, mask=inside, other=0).to(tl.uint32, bitcast=True)
-    code = word >> offset
+    code = tl.load(row, mask=inside, other=0).to(tl.uint32, bitcast=True) >> offset
     if 32 % BITS != 0:  # codes straddling two words take their high bits from the next one
         spill = inside & (offset + BITS > 32)
         high = tl.load(row + 1, mask=spill, other=0).to(tl.uint32, bitcast=True)
         code = code | (high << ((32 - offset) % 32))
-    code = (code & ((1 << BITS) - 1)).to(tl.int32)
-    if CODEBOOK:
-        value = tl.load(table_ptr + rn[:, None] * stride_tn + code, mask=inside, other=0.0).to(tl.float32)
-    else:
-        group = column // group_size
-        q = (code - (1 << (BITS - 1))).to(tl.float32)
-        if HAS_ZERO:
-            q -= tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=inside, other=0).to(tl.float32)
-        value = q * tl.load(table_ptr + rn[:, None] * stride_tn + group, mask=inside, other=0.0).to(tl.float32)
-    return value
+    return (code & ((1 << BITS) - 1)).to(tl.int32)
 
 
 @triton.jit
@@ -178,6 +184,20 @@ def _gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, N, 
 
 
 @triton.jit
+def _accumulate_dot(acc, a, b):
+    """acc + a @ b on the tensor cores, the fp32 (decoded) operand cast to the other's dtype;
+    fp32 activations multiply in full fp32 as torch's matmul does (Triton's default for them
+    is tf32)."""
+    if a.dtype == tl.float32 and b.dtype == tl.float32:
+        acc += tl.dot(a, b, input_precision="ieee")
+    elif a.dtype == tl.float32:
+        acc += tl.dot(a.to(b.dtype), b)
+    else:
+        acc += tl.dot(a, b.to(a.dtype))
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_bn, stride_ym, group_size,
                  BITS: tl.constexpr, CODEBOOK: tl.constexpr, HAS_ZERO: tl.constexpr, SPARSE24: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -190,7 +210,7 @@ def _gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, M, 
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         w = _weight_tile(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, rk, N, K, stride_pn, stride_tn, stride_zn, stride_bn, group_size,
                          BITS, CODEBOOK, HAS_ZERO, SPARSE24)
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        acc = _accumulate_dot(acc, x, tl.trans(w))
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -228,11 +248,23 @@ class PackedWeight:
         base = "fp16" if self.bits == 16 else "codebook" if self.codebook is not None else "asymmetric" if self.zero is not None else "symmetric"
         return f"2:4 {base}" if self.bitmask is not None else base
 
-    def to(self, device) -> "PackedWeight":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    def _map(self, fn) -> "PackedWeight":
+        apply = lambda t: None if t is None else fn(t)  # noqa: E731
         return PackedWeight(
-            move(self.packed), move(self.scale), self.bits, self.columns, move(self.zero), move(self.codebook), move(self.bitmask),
+            apply(self.packed), apply(self.scale), self.bits, self.columns, apply(self.zero), apply(self.codebook), apply(self.bitmask),
         )
+
+    def to(self, device) -> "PackedWeight":
+        return self._map(lambda t: t.to(device))
+
+    def clone(self) -> "PackedWeight":
+        return self._map(torch.clone)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored (and read once by a GEMV)."""
+        parts = (self.packed, self.scale, self.zero, self.codebook, self.bitmask)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def _kernel_args(self) -> tuple:
         table = self.codebook if self.codebook is not None else self.scale if self.scale is not None else self.packed
@@ -256,13 +288,13 @@ def pack_sparse24(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tenso
         "a 2:4 weight keeps exactly 2 of every 4 inputs; prune it with --pattern 2:4 first",
     )
     padded = torch.nn.functional.pad(keep, (0, -columns % 8)).reshape(rows, -1, 8).to(torch.int32)
-    bitmask = (padded << torch.arange(8, dtype=torch.int32)).sum(dim=2).to(torch.uint8)
+    bitmask = (padded << torch.arange(8, dtype=torch.int32, device=keep.device)).sum(dim=2).to(torch.uint8)
     return values[keep].reshape(rows, columns // 2), bitmask
 
 
 def unpack_bitmask(bitmask: torch.Tensor, columns: int) -> torch.Tensor:
     """Torch reference: the keep mask [N, K] from its packed bytes."""
-    bits = (bitmask.to(torch.int32)[:, :, None] >> torch.arange(8, dtype=torch.int32)) & 1
+    bits = (bitmask.to(torch.int32)[:, :, None] >> torch.arange(8, dtype=torch.int32, device=bitmask.device)) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :columns].bool()
 
 
@@ -299,12 +331,129 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
     return out
 
 
+# --------------------------------------------------------------------------- fast grid path
+#
+# The common serving case, a uniform grid whose codes fill 32-bit words exactly (2, 4 or 8
+# bits, no codebook, not 2:4), gets kernels of its own. They work on tiles of whole words
+# [BLOCK_N, WORDS] and take the codes at bit position j of every word at once: that slice is
+# the columns j, j + PER_WORD, j + 2 PER_WORD, ... so it meets the matching strided slice of
+# x, and a sum over k may run in that order. The words are loaded once, coalesced, and never
+# rearranged in registers (the general tile above loads a word per code). A word's codes share
+# one group as long as the group size is a multiple of the codes per word, which then holds
+# for 16 and up, per-channel included. On a GPU Triton's autotuner picks the launch shape
+# per layer shape; the interpreter takes the first.
+
+
+def _tuned(kernel, configs: list, key: list[str]):
+    """(kernel to launch, launch settings to pass): autotuned on a GPU; under the interpreter,
+    where timing means nothing, the first configuration."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return kernel, dict(configs[0].kwargs)
+    return triton.autotune(configs, key=key)(kernel), {}
+
+
+@triton.jit
+def _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride_sn, stride_zn, group_size,
+                BITS: tl.constexpr, HAS_ZERO: tl.constexpr, WORDS: tl.constexpr):
+    """Words [BLOCK_N, WORDS] of rows rn from word w0 on, and per word the scale and the
+    offset (2^(bits-1) + zero point) of the group it lies in: value = (code - offset) * scale."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    rw = w0 + tl.arange(0, WORDS)
+    inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(K, PER_WORD))
+    words = tl.load(packed_ptr + rn[:, None] * stride_pn + rw[None, :], mask=inside, other=0)
+    group = (rw[None, :] * PER_WORD) // group_size
+    scale = tl.load(scale_ptr + rn[:, None] * stride_sn + group, mask=inside, other=0.0).to(tl.float32)
+    offset = tl.zeros_like(scale) + (1 << (BITS - 1))
+    if HAS_ZERO:
+        offset += tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=inside, other=0).to(tl.float32)
+    return words, scale, offset
+
+
+@triton.jit
+def _grid_gemv_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, y_ptr, N, K, stride_pn, stride_sn, stride_zn, group_size,
+                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """Batch 1: per word, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j]) * scale."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    for w0 in range(0, tl.cdiv(K, PER_WORD), WORDS):
+        words, scale, offset = _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride_sn, stride_zn, group_size,
+                                           BITS, HAS_ZERO, WORDS)
+        rk = (w0 + tl.arange(0, WORDS)) * PER_WORD  # each word's first column
+        codes_x = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+        for j in tl.static_range(PER_WORD):
+            x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
+            codes_x += ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * x[None, :]
+            x_sum += x
+        acc += (codes_x - offset * x_sum[None, :]) * scale
+    tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _grid_gemm_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_zn, stride_ym, group_size,
+                      M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, WORDS * PER_WORD] (codes
+    spread to column order) being the tensor cores' first operand, which on Hopper may stay
+    in registers. Measured on an H100 against splitting the tile by bit position (eight small
+    products per tile) and against w as the second operand: this was fastest
+    (benchmarks/results/kernel_speed.md)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for w0 in range(0, tl.cdiv(K, PER_WORD), WORDS):
+        words, scale, offset = _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride_sn, stride_zn, group_size,
+                                           BITS, HAS_ZERO, WORDS)
+        shifts = tl.arange(0, PER_WORD) * BITS
+        codes = ((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        w = tl.reshape((codes - offset[:, :, None]) * scale[:, :, None], (BLOCK_N, WORDS * PER_WORD))
+        rk = w0 * PER_WORD + tl.arange(0, WORDS * PER_WORD)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        acc = _accumulate_dot(acc, w, tl.trans(x))
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], tl.trans(acc).to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+_GEMV = _tuned(_grid_gemv_kernel, [
+    triton.Config({"BLOCK_N": n, "WORDS": w}, num_warps=warps, num_stages=stages)
+    for n, w, warps, stages in [(16, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (16, 128, 4, 3), (32, 128, 8, 3), (8, 128, 4, 4),
+                                (64, 64, 8, 3), (32, 32, 4, 4), (8, 64, 4, 4), (16, 64, 8, 4), (128, 32, 8, 3), (4, 128, 4, 4)]
+], key=["N", "K", "BITS", "HAS_ZERO"])
+_GEMM = _tuned(_grid_gemm_kernel, [
+    triton.Config({"BLOCK_M": m, "BLOCK_N": n, "WORDS": w}, num_warps=warps, num_stages=stages)
+    for m, n, w, warps, stages in [(16, 64, 16, 4, 4), (16, 128, 16, 4, 3), (16, 64, 32, 4, 3), (32, 64, 16, 4, 4), (32, 128, 32, 8, 3),
+                                   (64, 64, 16, 4, 4), (64, 128, 32, 8, 3), (16, 128, 32, 8, 4)]
+], key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO"])
+
+
+def _takes_fast_grid(weight: PackedWeight) -> bool:
+    """Whole codes per word, and each word within one group."""
+    if weight.codebook is not None or weight.bitmask is not None or weight.bits not in (2, 4, 8):
+        return False
+    return weight.scale.shape[1] == 1 or weight.group_size % (32 // weight.bits) == 0
+
+
 def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
-    """x [M, K] @ dequantized(weight)^T, fused; the GEMV kernel serves M == 1."""
+    """x [M, K] @ dequantized(weight)^T, fused: the fast grid kernels where they apply, else the
+    general tile kernels; a GEMV kernel serves M == 1."""
     check_triton_backend(x.device)
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)
+    if _takes_fast_grid(weight):
+        zero = weight.zero if weight.zero is not None else weight.scale  # an unused pointer still needs a tensor
+        strides = (weight.packed.stride(0), weight.scale.stride(0), zero.stride(0))
+        common = dict(group_size=weight.group_size, BITS=weight.bits, HAS_ZERO=weight.zero is not None)
+        if M == 1:
+            kernel, settings = _GEMV
+            grid = lambda meta: (triton.cdiv(weight.rows, meta["BLOCK_N"]),)  # noqa: E731
+            kernel[grid](x, weight.packed, weight.scale, zero, y, weight.rows, K, *strides, **common, **settings)
+        else:
+            kernel, settings = _GEMM
+            grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(weight.rows, meta["BLOCK_N"]))  # noqa: E731
+            kernel[grid](x, weight.packed, weight.scale, zero, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
+                         M_BUCKET=min(triton.next_power_of_2(M), 128), **common, **settings)
+        return y
     tensors, strides, flags = weight._kernel_args()
     if M == 1:
         _gemv_kernel[(triton.cdiv(weight.rows, block_n),)](

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import re
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -131,23 +130,13 @@ def load_for_serving(spec: str, device: str = "cpu") -> LoadedModel:
     return loaded
 
 
-def _timed(fn, repeats: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
-
-
 def validate(folder: Path, out: Path | None = None) -> dict:
     """Run each kernel on the artifact's own tensors against its torch reference at batch 1,
     16 and 64. On a GPU every packed linear is checked and timed against the dense fp16 layer;
     without one the kernels run in Triton's interpreter on one linear of each distinct shape
     (the interpreter executes every program in Python), and no speed is claimed."""
     gpu = torch.cuda.is_available()
-    from compressors.kernels import KERNELS, self_check
+    from compressors.kernels import KERNELS, self_check, weight_seconds
 
     folder = Path(folder)
     device = torch.device("cuda" if gpu else "cpu")
@@ -181,7 +170,9 @@ def validate(folder: Path, out: Path | None = None) -> dict:
             entry["max_abs_error"][str(batch)] = error
             entry["max_rel_error"][str(batch)] = error / max(expected.abs().max().item(), 1e-12)
             if gpu:
-                entry.setdefault("speedup_vs_fp16", {})[str(batch)] = _timed(lambda: x @ dense.T) / _timed(lambda: kernel.run(x, weight))
+                entry.setdefault("speedup_vs_fp16", {})[str(batch)] = (
+                    weight_seconds(lambda w: x @ w.T, dense) / weight_seconds(lambda w: kernel.run(x, w), weight)
+                )
         layers[name] = entry
     checked = [entry for entry in layers.values() if entry.get("kernel")]
     report = {

@@ -2,6 +2,7 @@
 
 import json
 import hashlib
+import os
 
 import pytest
 import torch
@@ -11,8 +12,16 @@ from compressors.kernels import KERNELS, PackedLinear, select_kernel, self_check
 from compressors.packed_int import PackedWeight, dequantize_reference, pack_sparse24, unpack_bitmask, dequantize_triton, matmul_reference, matmul_triton
 from conftest import run_cli
 
+# The interpreter here; with TRITON_INTERPRET=0 on a CUDA machine the same tests run the
+# compiled kernels (benchmarks/gpu_check.sh).
+DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
+
 
 def packed(bits, rows, columns, group, kind="symmetric", seed=0):
+    return random_packed(bits, rows, columns, group, kind, seed).to(DEVICE)
+
+
+def random_packed(bits, rows, columns, group, kind="symmetric", seed=0):
     """A random packed weight: `kind` symmetric or asymmetric grid (group scales), codebook, or
     "2:4 <kind>": a random 2-of-4 mask whose kept half is stored fp16 (bits 16) or on a grid."""
     g = torch.Generator().manual_seed(seed)
@@ -21,7 +30,7 @@ def packed(bits, rows, columns, group, kind="symmetric", seed=0):
         values, bitmask = pack_sparse24(torch.randn(rows, columns, generator=g).half(), keep)
         if bits == 16:
             return PackedWeight(values, None, 16, columns, bitmask=bitmask)
-        kept = packed(bits, rows, columns // 2, group // 2, kind.split()[1], seed + 1)  # the grid over the stored half
+        kept = random_packed(bits, rows, columns // 2, group // 2, kind.split()[1], seed + 1)  # the grid over the stored half
         return PackedWeight(kept.packed, kept.scale, bits, columns, kept.zero, bitmask=bitmask)
     codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (rows, columns), generator=g, dtype=torch.int8)
     if kind == "codebook":
@@ -33,7 +42,7 @@ def packed(bits, rows, columns, group, kind="symmetric", seed=0):
 
 SHAPES = [  # bits, N, K, group, decode: K off the 64-column block, per-channel, one output row, 3-bit codes straddling words
     (4, 96, 160, 32, "symmetric"), (4, 1, 128, 64, "symmetric"), (8, 40, 100, 100, "symmetric"), (2, 64, 96, 32, "symmetric"),
-    (4, 130, 64, 64, "symmetric"), (3, 72, 100, 50, "symmetric"), (3, 33, 96, 32, "asymmetric"), (8, 20, 64, 32, "asymmetric"),
+    (4, 130, 64, 64, "symmetric"), (4, 24, 36, 36, "asymmetric"), (3, 72, 100, 50, "symmetric"), (3, 33, 96, 32, "asymmetric"), (8, 20, 64, 32, "asymmetric"),
     (3, 70, 100, None, "codebook"), (4, 1, 160, None, "codebook"), (2, 17, 64, None, "codebook"),
     # 2:4 sparse: K = 100 ends in half a mask byte; fp16 values, 4-bit grids over the kept half
     (16, 50, 100, None, "2:4 fp16"), (16, 1, 64, None, "2:4 fp16"), (4, 40, 160, 32, "2:4 symmetric"), (4, 33, 128, 64, "2:4 asymmetric"),
@@ -44,7 +53,7 @@ SHAPES = [  # bits, N, K, group, decode: K off the 64-column block, per-channel,
 @pytest.mark.parametrize("batch,dtype", [(1, torch.float32), (1, torch.float16), (17, torch.float32), (17, torch.float16)])
 def test_fused_matmul_matches_reference(bits, rows, columns, group, kind, batch, dtype):  # GEMV and GEMM (M off the block), both dtypes
     weight = packed(bits, rows, columns, group, kind)
-    x = torch.randn(batch, columns, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(batch, columns, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     got, expected = matmul_triton(x, weight).float(), matmul_reference(x, weight).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     assert (got - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item())
@@ -86,18 +95,18 @@ def test_sparse24_layout_is_compressed_tensors_bitmask():
 
 def test_self_check_and_selection():
     kernel = KERNELS[0]
-    assert self_check(kernel, torch.device("cpu"))
-    assert select_kernel(packed(4, 8, 64, 64), torch.device("cpu")) is kernel
-    assert select_kernel(packed(3, 8, 64, None, "codebook"), torch.device("cpu")) is kernel
+    assert self_check(kernel, DEVICE)
+    assert select_kernel(packed(4, 8, 64, 64), DEVICE) is kernel
+    assert select_kernel(packed(3, 8, 64, None, "codebook"), DEVICE) is kernel
 
 
 def test_packed_linear_equals_the_dense_layer():
     weight = packed(4, 48, 128, 64)
-    bias = torch.randn(48)
+    bias = torch.randn(48, device=DEVICE)
     layer = PackedLinear(weight, bias)
-    x = torch.randn(2, 5, 128)
+    x = torch.randn(2, 5, 128, device=DEVICE)
     expected = torch.nn.functional.linear(x, dequantize_reference(weight), bias)
-    torch.testing.assert_close(layer(x), expected)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder):
@@ -159,3 +168,15 @@ def test_triton_backend_is_chosen_on_import_of_lmpress():
     assert first.returncode == 0 and first.stdout.strip() == "True", first.stderr
     late = subprocess.run([sys.executable, "-c", f"import transformers, bitsandbytes; {check}"], capture_output=True, text=True, env=env)
     assert late.returncode != 0 and "need its interpreter: set TRITON_INTERPRET=1" in late.stderr
+
+
+def test_fast_grid_path_takes_whole_word_grids():
+    """2/4/8-bit grids go to the word-at-a-time kernels; the rest to the general tile kernels."""
+    from compressors.packed_int import _takes_fast_grid
+
+    assert _takes_fast_grid(packed(4, 8, 128, 32)) and _takes_fast_grid(packed(4, 8, 192, 96))
+    assert _takes_fast_grid(packed(8, 8, 100, 100, "asymmetric"))  # one group per row
+    assert not _takes_fast_grid(packed(4, 8, 200, 100))  # a word would straddle two groups
+    assert not _takes_fast_grid(packed(3, 8, 96, 32))  # codes straddle words
+    assert not _takes_fast_grid(packed(4, 8, 64, None, "codebook"))
+    assert not _takes_fast_grid(packed(4, 8, 64, 32, "2:4 symmetric"))

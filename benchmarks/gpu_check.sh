@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything lmpress checks on a CUDA GPU, in one go (a lent GPU machine is paid by the minute):
+#   tests     the kernel tests, compiled for the GPU instead of interpreted;
+#   validate  `lmpress validate` on each artifact (or artifact slice, benchmarks/artifact_slice.py)
+#             found under $SLICES (default .gpu/);
+#   speed     benchmarks/kernel_speed.py at realistic layer shapes ($SPEED_ARGS are passed on).
+# Reports go to $OUT (default /tmp/lmpress-gpu), the full log to $OUT/gpu_check.log. Packages the
+# machine lacks (compressed-tensors, bitsandbytes and their needs) may be carried as wheels in .whl/.
+#
+#   bash benchmarks/gpu_check.sh [tests] [validate] [speed]      (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/lmpress-gpu}
+SLICES=${SLICES:-.gpu}
+STEPS=${*:-tests validate speed}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/lmpress-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/lmpress-site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_INTERPRET=0 TRITON_PRINT_AUTOTUNING=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+status=0
+if [[ " $STEPS " == *" tests "* ]]; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "fused or dequantize or self_check or packed_linear or references or fast_grid" \
+        >>"$LOG" 2>&1 || status=1
+    grep -E "passed|failed" "$LOG" | tail -1
+fi
+if [[ " $STEPS " == *" validate "* ]]; then
+    for slice in "$SLICES"/*/; do
+        name=$(basename "$slice")
+        python3 -m pipelines.cli validate "$slice" --out "$OUT/validate_$name.json" >>"$LOG" 2>&1 || { status=1; echo "validate $name failed"; continue; }
+        python3 - "$OUT/validate_$name.json" "$name" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+speed = [e["speedup_vs_fp16"] for e in report["layers"].values() if "speedup_vs_fp16" in e]
+print(sys.argv[2], report["device"], "gpu_validated", report["gpu_validated"], "max rel error", f"{report['max_rel_error']:.2e}",
+      "speedup vs fp16 at batch 1/16/64 (min-max over layers):",
+      " / ".join(f"{min(s[b] for s in speed):.2f}-{max(s[b] for s in speed):.2f}" for b in ("1", "16", "64")))
+PY
+    done
+fi
+if [[ " $STEPS " == *" speed "* ]]; then
+    python3 benchmarks/kernel_speed.py --out "$OUT/kernel_speed" ${SPEED_ARGS:-} >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
+    cat "$OUT/kernel_speed.md" 2>/dev/null
+fi
+exit $status
