@@ -287,9 +287,15 @@ def pack_sparse24(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tenso
         columns % 4 == 0 and bool((keep.reshape(rows, -1, 4).sum(dim=2) == 2).all()),
         "a 2:4 weight keeps exactly 2 of every 4 inputs; prune it with --pattern 2:4 first",
     )
+    return values[keep].reshape(rows, columns // 2), pack_bitmask(keep)
+
+
+def pack_bitmask(keep: torch.Tensor) -> torch.Tensor:
+    """A bool mask [N, K] as bytes [N, ceil(K / 8)], 8 columns a byte, least significant bit
+    first (`unpack_bitmask` inverts it)."""
+    rows, columns = keep.shape
     padded = torch.nn.functional.pad(keep, (0, -columns % 8)).reshape(rows, -1, 8).to(torch.int32)
-    bitmask = (padded << torch.arange(8, dtype=torch.int32, device=keep.device)).sum(dim=2).to(torch.uint8)
-    return values[keep].reshape(rows, columns // 2), bitmask
+    return (padded << torch.arange(8, dtype=torch.int32, device=keep.device)).sum(dim=2).to(torch.uint8)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, columns: int) -> torch.Tensor:

@@ -201,6 +201,56 @@ def drop_layers(
     out_console.print(f"shallower model written to {path}", markup=False, highlight=False)
 
 
+@app.command()
+def levels(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the level database; replaced only when complete."),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (GPTQ's Hessians, Wanda's scores)."),
+    bits: str = typer.Option("2,3,4,8", help="Bit-widths to quantize every linear to (comma-separated; '' for none)."),
+    group_size: int = typer.Option(64, help="Input columns sharing one scale, at every bit-width."),
+    method: str = typer.Option("gptq", help="gptq or rtn, from the calibration's stored statistics."),
+    act_order: bool = typer.Option(True, help="GPTQ: quantize columns by decreasing Hessian diagonal."),
+    sparsity: str = typer.Option("", help="Unstructured sparsity levels (Wanda), e.g. 0.4,0.5,0.6,0.7,0.8 ('' for none)."),
+    drop: bool = typer.Option(False, help="Let the search drop whole decoder blocks too."),
+):
+    """Compress every linear once at every level: the database `lmpress search` picks from."""
+    from pipelines.levels import LevelsConfig, level_database
+
+    config = LevelsConfig(bits=bits, group_size=group_size, method=method, act_order=act_order, sparsity=sparsity, drop=drop)
+    path = level_database(model, calibration, out, config)
+    out_console.print(f"level database written to {path}", markup=False, highlight=False)
+
+
+@app.command()
+def search(
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the plan and report; replaced only when complete."),
+    levels: Path = typer.Option(..., "--levels", help="Level database from `lmpress levels`."),
+    calibration: Path = typer.Option(..., help="Calibration artifact: the fitness is the KL to the base on its windows."),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    budget_bits: float = typer.Option(0.0, "--budget-bits", help="Average bits per weight over the decoder linears."),
+    target_sparsity: float = typer.Option(0.0, "--target-sparsity", help="Average sparsity over the decoder linears."),
+    drop: bool = typer.Option(False, help="Also choose whole blocks to drop (their weights cost nothing)."),
+    generations: int = typer.Option(50, help="Generations of (1 + offspring) evolution."),
+    offspring: int = typer.Option(16, help="Children per generation."),
+    selection: str = typer.Option("1:4,4:1", help="Rounds of selection, windows:survivors: all children on few windows, the best on more."),
+    seq_len: int = typer.Option(256, help="Tokens per fitness window."),
+    batch_size: int = typer.Option(4, help="Windows per forward pass."),
+    seed: int = typer.Option(0, help="Seed of the mutations: same seed, same plan."),
+):
+    """Evolutionary search (EvoPress) for per-layer levels within a budget; writes plan.yaml for quantize/prune --overrides."""
+    from pipelines.levels import SearchConfig, search as run
+
+    config = SearchConfig(budget_bits=budget_bits, target_sparsity=target_sparsity, drop=drop, generations=generations, offspring=offspring,
+                          selection=selection, seq_len=seq_len, batch_size=batch_size, seed=seed)
+    path = run(model, levels, calibration, out, config)
+    report = json.loads((path / "search.json").read_text())
+    fitness = report["fitness"]
+    out_console.print(
+        f"plan written to {path / 'plan.yaml'}: calibration KL {fitness['uniform']:.4f} (uniform) -> {fitness['searched']:.4f} "
+        f"after {report['evaluations']} evaluations in {report['search_s']} s", markup=False, highlight=False,
+    )
+
+
 @app.command("kv-merge")
 def kv_merge(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the merged model; replaced only when complete."),

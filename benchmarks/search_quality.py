@@ -1,0 +1,145 @@
+"""Evolutionary search against uniform and score-based allocation, at equal budget, on
+held-out text.
+
+    .venv/bin/python benchmarks/search_quality.py --levels artifacts/levels
+        [--experiments bits:3,sparsity:0.6,bits:3:drop] [--generations 100] [--offspring 16]
+
+Per experiment (kind:budget[:drop]) three plans, each within the budget:
+- uniform: every linear at the same level (compressors/search.py:uniform_genome);
+- sensitivity: the score-based heuristic. Each unit's sensitivity is the calibration KL with
+  only that unit moved to each level (the rest at the least compressed level), and the
+  greedy allocation takes the cheapest error per unit of cost saved
+  (compressors/search.py:greedy_genome);
+- evolutionary: `lmpress search` as a user runs it, in its own process, timed.
+
+Every plan is assembled from the level database in memory and scored on held-out Austen and
+pydoc text (never calibration text) against the base's cached reference (artifacts/reference):
+KL to the base, perplexity and top-1 agreement, as `lmpress evaluate` computes them. The test
+suite checks that `lmpress quantize --overrides plan.yaml` builds exactly these weights.
+Results: benchmarks/results/search_quality.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LMPRESS_QUIET", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from benchmarks._report import CORPORA, scratch_directory  # noqa: E402
+from compressors.search import genome_cost, greedy_genome, uniform_genome  # noqa: E402
+from pipelines.evaluation import LMHead, score_windows  # noqa: E402
+from pipelines.levels import Candidates, KLFitness, LevelDatabase  # noqa: E402
+from pipelines.models import load_model  # noqa: E402
+
+
+def held_out(candidates: Candidates, genome: list[int], reference: Path, batch_size: int = 4) -> dict:
+    candidates.apply(genome)
+    head, metrics = LMHead.load(reference / "lm_head.safetensors"), {}
+    for corpus in CORPORA:
+        cached = load_file(reference / f"{corpus}.safetensors")
+        scores = score_windows(candidates.model, cached["input_ids"], (head, cached["hidden"]), batch_size)
+        metrics[corpus] = {"kl": scores.kl_sum / scores.tokens, "perplexity": scores.perplexity, "top1": scores.top1_agree / scores.tokens}
+    return metrics
+
+
+def sensitivity_genome(units, budget, fitness: KLFitness, windows: int) -> tuple[list[int], int]:
+    """The greedy allocation on one-unit-at-a-time calibration KL; also the evaluations spent."""
+    floor = [0] * len(units)
+    table = {}
+    for i, unit in enumerate(units):
+        for level in range(len(unit.levels)):
+            genome = list(floor)
+            genome[i] = level
+            table[i, level] = fitness(genome, windows)
+    return greedy_genome(units, budget, lambda i, level: table[i, level]), len(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--levels", type=Path, default=Path("artifacts/levels"))
+    parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
+    parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
+    parser.add_argument("--experiments", default="bits:3,sparsity:0.6,bits:3:drop")
+    parser.add_argument("--generations", type=int, default=100)
+    parser.add_argument("--offspring", type=int, default=16)
+    parser.add_argument("--selection", default="1:4,4:1")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "search_quality")
+    args = parser.parse_args()
+
+    from calibrate.stats import CalibrationData
+
+    loaded = load_model(args.model)
+    loaded.model.eval()
+    database = LevelDatabase(args.levels)
+    calib = CalibrationData(args.calibration)
+    work = scratch_directory()
+    rows = []
+    for experiment in args.experiments.split(","):
+        kind, value, *flags = experiment.split(":")
+        drop = "drop" in flags
+        units = database.units(kind, drop)
+        weights = sum(u.size for u in units if not u.is_block)
+        budget = (float(value) if kind == "bits" else 1 - float(value)) * weights
+        candidates = Candidates(loaded, database, units)
+        fitness = KLFitness(candidates, calib.spread_samples(4)[:, : args.seq_len], 4)
+
+        out = work / experiment.replace(":", "_")
+        budget_flag = ["--budget-bits", value] if kind == "bits" else ["--target-sparsity", value]
+        command = [sys.executable, "-m", "pipelines.cli", "search", "--model", args.model, "--levels", str(args.levels), "--calibration",
+                   str(args.calibration), *budget_flag, "--generations", str(args.generations), "--offspring", str(args.offspring),
+                   "--selection", args.selection, "--seq-len", str(args.seq_len), "--out", str(out), *(["--drop"] if drop else [])]
+        start = time.perf_counter()
+        subprocess.run(command, check=True, cwd=ROOT)
+        search_wall = time.perf_counter() - start
+        report = json.loads((out / "search.json").read_text())
+        evolved = [unit.levels.index(report["plan"][unit.name]) for unit in units]
+
+        start = time.perf_counter()
+        greedy, greedy_evaluations = sensitivity_genome(units, budget, fitness, 1)
+        greedy_wall = time.perf_counter() - start
+        plans = {
+            "uniform": (uniform_genome(units, budget), 0, 0.0),
+            "sensitivity": (greedy, greedy_evaluations, greedy_wall),
+            "evolutionary": (evolved, report["evaluations"], search_wall),
+        }
+        for method, (genome, evaluations, wall) in plans.items():
+            metrics = held_out(candidates, genome, args.reference)
+            row = {
+                "experiment": experiment, "method": method, "cost_per_weight": round(genome_cost(units, genome) / weights, 4),
+                "dropped_blocks": sum(1 for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"),
+                "calibration_kl": round(fitness(genome, 4), 4), "evaluations": evaluations, "wall_s": round(wall, 1),
+                **{f"{corpus}.{key}": round(value, 4) for corpus, entry in metrics.items() for key, value in entry.items()},
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        rows[-1]["search"] = {k: report[k] for k in ("units", "levels", "generations", "evaluations", "search_s")}
+        candidates.restore()
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"settings": vars(args) | {"levels": str(args.levels), "calibration": str(args.calibration),
+                                                                                  "reference": str(args.reference), "out": str(args.out)},
+                                                         "levels": database.manifest["params"], "rows": rows}, indent=2, default=str) + "\n")
+    columns = ["cost_per_weight", "dropped_blocks", "calibration_kl", *[f"{c}.{k}" for c in CORPORA for k in ("kl", "perplexity", "top1")],
+               "evaluations", "wall_s"]
+    lines = ["| experiment | method | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
+    lines += [f"| {r['experiment']} | {r['method']} | " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Per-unit compression levels under a budget: evolutionary search (EvoPress), and the two
+allocations it is measured against (uniform, and a score-based greedy one).
+
+A *unit* is what gets one level: a linear (bit-width or sparsity) or a whole decoder block
+(kept or dropped). Each unit has its levels ordered from least to most compressed, and each
+level a cost (stored bits per weight, or density); a *genome* gives every unit a level index.
+The budget bounds the genome's total cost, `sum(unit size * level cost)`, dropped blocks'
+linears costing nothing.
+
+The search is (1 + lambda) evolution (Sieberling et al., EvoPress, 2024): each generation
+makes `offspring` children of the parent by level-switch mutation (one unit one level less
+compressed, then others one level more compressed until the budget holds again, so every
+child stays on budget), scores them in rounds of selection (all children on a few
+calibration windows, the best on more: most children are bad and cheap to reject), and the
+best child replaces the parent when it beats it on the final round's windows. Fitness is
+the KL divergence of the candidate from the base model on calibration tokens, lower better.
+All randomness comes from one seeded generator whose state is part of the checkpoint, so a
+search resumed from any generation ends in the same plan.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipelines.errors import require
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str  # a linear's full name, or a decoder block's prefix
+    size: int  # weights it holds (a block: the weights of its linears)
+    levels: tuple[str, ...]  # level names, least compressed first
+    costs: tuple[float, ...]  # cost per weight of each level (non-increasing)
+    block: int  # the decoder block it lies in (a block unit: its own index)
+    is_block: bool = False  # a block unit: levels ("keep", "drop")
+
+
+def genome_cost(units: list[Unit], genome: list[int]) -> float:
+    """Total cost; a linear in a dropped block costs nothing."""
+    dropped = {u.block for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"}
+    return sum(u.size * u.costs[level] for u, level in zip(units, genome) if not u.is_block and u.block not in dropped)
+
+
+def check_budget(units: list[Unit], budget: float, what: str) -> None:
+    """The budget must lie between the most and the least compressed genomes' costs."""
+    lowest = genome_cost(units, [len(u.levels) - 1 for u in units])
+    require(
+        lowest <= budget,
+        f"no assignment of the database's levels meets the budget {what}: the most compressed one costs "
+        f"{lowest / sum(u.size for u in units if not u.is_block):.4g} per weight; raise the budget or build the database with more compressed levels",
+    )
+
+
+def uniform_genome(units: list[Unit], budget: float) -> list[int]:
+    """The least compressed single level that every linear can take within the budget (blocks
+    kept), the standard allocation; where the budget falls between two levels, the cheaper
+    one is given to the first linears until the budget holds."""
+    linears = [i for i, u in enumerate(units) if not u.is_block]
+    depth = max(len(units[i].levels) for i in linears)
+    genome = [0] * len(units)
+    for level in range(depth):
+        genome = [min(level, len(u.levels) - 1) if not u.is_block else 0 for u in units]
+        if genome_cost(units, genome) <= budget:
+            return genome
+        step = [min(level + 1, len(u.levels) - 1) if not u.is_block else 0 for u in units]
+        for i in linears:  # move linears to the next level one by one until it fits
+            genome[i] = step[i]
+            if genome_cost(units, genome) <= budget:
+                return genome
+    raise AssertionError("check_budget admits the most compressed genome")
+
+
+def greedy_genome(units: list[Unit], budget: float, error: Callable[[int, int], float]) -> list[int]:
+    """Score-based allocation: from the least compressed genome, repeatedly take the one-level
+    step with the smallest error increase per unit of cost saved, `error(unit, level)` being
+    a unit's own error at a level (e.g. its calibration reconstruction error), until the
+    budget holds."""
+    genome = [0] * len(units)
+    while genome_cost(units, genome) > budget:
+        best, best_ratio = None, float("inf")
+        for i, u in enumerate(units):
+            if genome[i] + 1 >= len(u.levels):
+                continue
+            saved = genome_cost(units, genome) - genome_cost(units, genome[:i] + [genome[i] + 1] + genome[i + 1 :])
+            if saved <= 0:
+                continue
+            ratio = (error(i, genome[i] + 1) - error(i, genome[i])) / saved
+            if ratio < best_ratio:
+                best, best_ratio = i, ratio
+        require(best is not None, "the score-based allocation cannot meet the budget")
+        genome[best] += 1
+    return genome
+
+
+def mutate(units: list[Unit], genome: list[int], budget: float, rng: random.Random) -> list[int]:
+    """Level switch: one unit one level less compressed, then random others one level more
+    compressed until the cost is within the budget again."""
+    child = list(genome)
+    raisable = [i for i, level in enumerate(child) if level > 0]
+    if not raisable:
+        return child
+    up = rng.choice(raisable)
+    child[up] -= 1
+    while genome_cost(units, child) > budget:
+        lowerable = [i for i, level in enumerate(child) if i != up and level + 1 < len(units[i].levels)]
+        if not lowerable:
+            return list(genome)
+        child[rng.choice(lowerable)] += 1
+    return child
+
+
+@dataclass
+class SearchState:
+    """Everything a resumed search needs: the parent, its fitness on the final round's
+    windows, the generator's state, and the history for the fitness curve."""
+
+    generation: int
+    parent: list[int]
+    parent_fitness: float
+    rng_state: tuple
+    history: list[dict] = field(default_factory=list)
+    evaluations: int = 0
+
+
+def parse_selection(text: str) -> list[tuple[int, int]]:
+    """"windows:survivors,..." e.g. "1:4,4:1": all children on 1 window, the best 4 on 4
+    windows, the best 1 of those goes on to compete with the parent."""
+    try:
+        steps = [tuple(int(v) for v in part.split(":")) for part in text.split(",") if part.strip()]
+        ok = bool(steps) and all(len(s) == 2 and s[0] > 0 and s[1] > 0 for s in steps)
+    except ValueError:
+        ok = False
+    require(ok, f"selection must be windows:survivors steps such as 1:4,4:1 (got '{text}')")
+    require(steps[-1][1] == 1, f"the last selection step keeps one survivor (got '{text}')")
+    require(all(a[0] <= b[0] and a[1] >= b[1] for a, b in zip(steps, steps[1:])), f"selection steps must use more windows and keep fewer survivors as they go (got '{text}')")
+    return steps
+
+
+def evolve(
+    units: list[Unit],
+    budget: float,
+    fitness: Callable[[list[int], int], float],
+    generations: int,
+    offspring: int,
+    selection: list[tuple[int, int]],
+    state: SearchState,
+    on_generation: Callable[[SearchState], None] | None = None,
+) -> SearchState:
+    """Run the (1 + lambda) search from `state` to `generations`. `fitness(genome, windows)`
+    is the KL to the base on the first `windows` calibration windows."""
+    rng = random.Random()
+    rng.setstate(state.rng_state)
+    final_windows = selection[-1][0]
+    while state.generation < generations:
+        children = []
+        for _ in range(offspring):
+            child = mutate(units, state.parent, budget, rng)
+            if child != state.parent and child not in children:
+                children.append(child)
+        survivors = children
+        for windows, keep in selection:
+            scored = [(fitness(child, windows), child) for child in survivors]
+            state.evaluations += len(scored)
+            scored.sort(key=lambda pair: pair[0])
+            survivors = [child for _, child in scored[:keep]]
+            best_fitness = scored[0][0] if scored else float("inf")
+        if survivors and best_fitness < state.parent_fitness:
+            state.parent, state.parent_fitness = survivors[0], best_fitness
+        state.generation += 1
+        state.rng_state = rng.getstate()
+        state.history.append({"generation": state.generation, "fitness": state.parent_fitness, "evaluations": state.evaluations})
+        if on_generation is not None:
+            on_generation(state)
+    assert genome_cost(units, state.parent) <= budget + 1e-6 * budget
+    return state
+
+
+def start_state(units: list[Unit], budget: float, fitness: Callable[[list[int], int], float], selection, seed: int) -> SearchState:
+    """The uniform allocation as the first parent."""
+    parent = uniform_genome(units, budget)
+    return SearchState(0, parent, fitness(parent, selection[-1][0]), random.Random(seed).getstate(), [], 1)

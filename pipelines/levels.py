@@ -1,0 +1,339 @@
+"""The level database and the search over it: two stages, `levels` and `search`.
+
+`levels` compresses every decoder linear once at every level of the chosen kinds, from the
+calibration artifact's stored statistics (GPTQ or RTN at each bit-width, Wanda at each
+sparsity), and stores the results compactly (int8 codes with fp16 scales; packed keep masks):
+
+    manifest.json                base model, calibration, settings, units and levels
+    bits<b>.safetensors          <linear>.codes int8 [out, in], <linear>.scale fp16 [out, groups]
+    sparsity<s>.safetensors      <linear>.keep uint8 [out, ceil(in / 8)] (packed, see pack_bitmask)
+
+Blocks may also be dropped (`drop`), which needs no tensors. `search` then looks for the
+per-unit levels that best keep the base model's distribution within a budget
+(compressors/search.py), and writes the plan as a YAML file that `lmpress quantize
+--overrides` or `lmpress prune --overrides` take as it is, so the searched model is made by
+the same stage functions (and is then the same weights the search scored: the stages compute
+them with the same functions from the same statistics).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from compressors.search import SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
+from pipelines.artifact import ResumeFolder, atomic_directory, inputs_key, read_json, write_json, write_lineage
+from pipelines.errors import LmpressError, require
+from pipelines.evaluation import LMHead, score_windows
+from pipelines.models import architecture_of, decoder_layers, layer_linears
+from pipelines.progress import progress_bar
+from pipelines.stages import begin_stage, calibration_record, planned_linears, require_positive
+
+LEVELS_FORMAT = "lmpress-levels"
+LEVELS_VERSION = 1
+LEVELS_METHODS = ("gptq", "rtn")
+PLAN_FILE = "plan.yaml"
+SEARCH_REPORT = "search.json"
+HISTORY_FILE = "history.csv"
+
+
+def _numbers(text: str, kind, what: str) -> list:
+    try:
+        return [kind(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise LmpressError(f"{what} must be a comma-separated list of numbers (got '{text}')") from None
+
+
+@dataclass
+class LevelsConfig:
+    bits: str = "2,3,4,8"  # quantization levels; "" for none
+    group_size: int = 64
+    method: str = "gptq"  # gptq | rtn, symmetric grids, from the stored statistics
+    act_order: bool = True
+    damp: float = 0.01
+    sparsity: str = ""  # unstructured sparsity levels (Wanda), e.g. "0.4,0.5,0.6,0.7,0.8"; "" for none
+    drop: bool = False  # blocks may be dropped whole
+
+    @property
+    def bit_levels(self) -> list[int]:
+        return sorted(set(_numbers(self.bits, int, "--bits")), reverse=True)
+
+    @property
+    def sparsity_levels(self) -> list[float]:
+        return sorted(set(_numbers(self.sparsity, float, "--sparsity")))
+
+    def validate(self) -> None:
+        from compressors.grid import GridSpec
+        from compressors.sparsity import parse_pattern
+
+        require(self.method in LEVELS_METHODS, f"unknown method '{self.method}'; the level database takes {' or '.join(LEVELS_METHODS)}")
+        for bits in self.bit_levels:
+            GridSpec(bits, self.group_size)
+        for sparsity in self.sparsity_levels:
+            require(0 < parse_pattern(sparsity).sparsity < 1, f"sparsity levels must lie in (0, 1) (got {sparsity})")
+        require(bool(self.bit_levels or self.sparsity_levels), "give the database some levels: --bits 2,3,4,8 and/or --sparsity 0.4,0.5,0.6")
+        require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+
+
+def level_database(model: str, calibration: Path | None, out: Path, config: LevelsConfig) -> Path:
+    """Compress every decoder linear at every level once; see the module docstring."""
+    from compressors.gptq import gptq_quantize
+    from compressors.grid import GridSpec, round_to_nearest
+    from compressors.packed_int import pack_bitmask
+    from compressors.sparsity import keep_mask, parse_pattern, wanda_score
+
+    config.validate()
+    needs_statistics = config.method == "gptq" or bool(config.sparsity_levels)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, f"levels ({config.method}, wanda)", needs_statistics)
+    linears = list(planned_linears(loaded.model, "", {}, None))
+    for name, module, _ in linears:
+        for bits in config.bit_levels:
+            GridSpec(bits, config.group_size).check_width(module.in_features, name)
+    prefix = architecture_of(loaded.config).layers
+    tensors = {f"bits{b}": {} for b in config.bit_levels} | {f"sparsity{s:g}": {} for s in config.sparsity_levels}
+    with atomic_directory(out) as tmp, progress_bar("levels", loaded.config.num_hidden_layers) as advance:
+        for index, layer in enumerate(decoder_layers(loaded.model)):
+            stats = calib.layer(index) if needs_statistics else {}
+            for local, module in layer_linears(loaded.model, layer).items():
+                name, weight = f"{prefix}.{index}.{local}", module.weight.data
+                for bits in config.bit_levels:
+                    grid = GridSpec(bits, config.group_size)
+                    if config.method == "gptq":
+                        q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order)
+                    else:
+                        q = round_to_nearest(weight, grid)
+                    tensors[f"bits{bits}"] |= {f"{name}.codes": q.codes.contiguous(), f"{name}.scale": q.scale.half().contiguous()}
+                for sparsity in config.sparsity_levels:
+                    keep = keep_mask(wanda_score(weight, stats[local].second_moment), parse_pattern(sparsity))
+                    tensors[f"sparsity{sparsity:g}"][f"{name}.keep"] = pack_bitmask(keep)
+            advance()
+        for level, level_tensors in tensors.items():
+            save_file(level_tensors, tmp / f"{level}.safetensors")
+        units = [{"name": name, "size": module.weight.numel(), "block": int(name.split(".")[len(prefix.split("."))])} for name, module, _ in linears]
+        write_json(tmp / "manifest.json", {
+            "format": LEVELS_FORMAT, "version": LEVELS_VERSION, "base": chain[0], "params": asdict(config), "units": units,
+            "layers": loaded.config.num_hidden_layers, "layer_prefix": prefix, **calibration_record(calib),
+        })
+        write_lineage(tmp, chain, {"stage": "levels", "params": asdict(config), **calibration_record(calib)}, run)
+    return Path(out)
+
+
+class LevelDatabase:
+    """Read side of a level database."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        require(self.folder.is_dir(), f"level database {self.folder} does not exist; build it with `lmpress levels`")
+        self.manifest = read_json(self.folder / "manifest.json", "rebuild it with `lmpress levels`")
+        require(
+            self.manifest.get("format") == LEVELS_FORMAT and self.manifest.get("version") == LEVELS_VERSION,
+            f"{self.folder} is not an lmpress level database of version {LEVELS_VERSION}; rebuild it with `lmpress levels`",
+        )
+        self.config = LevelsConfig(**self.manifest["params"])
+        self._cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def check_model(self, chain: list[dict]) -> None:
+        require(
+            self.manifest["base"]["weights_sha256"] == chain[0]["weights_sha256"] and len(chain) == 1,
+            f"level database {self.folder} was built for {self.manifest['base']['model']}, not this model; "
+            "rebuild it with `lmpress levels --model` for the model you search",
+        )
+
+    def units(self, kind: str, drop: bool) -> list[Unit]:
+        """Linear units with the levels of `kind` (bits: cost = code bits per weight; sparsity:
+        cost = density), plus a keep/drop unit per block with `drop`."""
+        if kind == "bits":
+            levels = [(f"bits{b}", float(b)) for b in self.config.bit_levels]
+        else:
+            levels = [(f"sparsity{s:g}", 1 - s) for s in self.config.sparsity_levels]
+        require(bool(levels), f"level database {self.folder} has no {kind} levels; rebuild it with `lmpress levels --{kind} ...`")
+        require(not drop or self.config.drop, f"level database {self.folder} was built without block dropping; rebuild it with --drop")
+        names, costs = tuple(name for name, _ in levels), tuple(cost for _, cost in levels)
+        units = [Unit(u["name"], u["size"], names, costs, u["block"]) for u in self.manifest["units"]]
+        if drop:
+            prefix = self.manifest["layer_prefix"]
+            for block in range(self.manifest["layers"]):
+                size = sum(u.size for u in units if u.block == block)
+                units.append(Unit(f"{prefix}.{block}", size, ("keep", "drop"), (0.0, 0.0), block, is_block=True))
+        return units
+
+    def weight(self, level: str, name: str, base: torch.Tensor) -> torch.Tensor:
+        """A linear's weight at a level, in fp32: dequantized codes, or the base weight masked."""
+        from compressors.grid import GridSpec, QuantizedLinear
+        from compressors.packed_int import unpack_bitmask
+
+        if level not in self._cache:
+            self._cache[level] = load_file(self.folder / f"{level}.safetensors")
+        tensors = self._cache[level]
+        if level.startswith("bits"):
+            scale = tensors[f"{name}.scale"].float()
+            spec = GridSpec(int(level[4:]), self.config.group_size)
+            return QuantizedLinear(tensors[f"{name}.codes"], scale, torch.zeros_like(scale), spec).dequantized()
+        return base.float() * unpack_bitmask(tensors[f"{name}.keep"], base.shape[1])
+
+
+class Candidates:
+    """The base model with each unit switchable among its levels, for scoring genomes."""
+
+    def __init__(self, loaded, database: LevelDatabase, units: list[Unit]):
+        self.model, self.database, self.units = loaded.model, database, units
+        modules = dict(loaded.model.named_modules())
+        self.linears = {u.name: modules[u.name] for u in units if not u.is_block}
+        self.base = {name: module.weight.data.clone() for name, module in self.linears.items()}
+        self.levels: dict[tuple[str, str], torch.Tensor] = {}  # (linear, level) -> weight, made once
+        self.applied: dict[str, str] = {}
+        self.all_layers = decoder_layers(loaded.model)
+        self.owner, self.attribute = architecture_of(loaded.config).layers.rsplit(".", 1)
+
+    def apply(self, genome: list[int]) -> None:
+        dropped = set()
+        for unit, level in zip(self.units, genome):
+            name = unit.levels[level]
+            if unit.is_block:
+                if name == "drop":
+                    dropped.add(unit.block)
+                continue
+            if self.applied.get(unit.name) != name:
+                key = (unit.name, name)
+                if key not in self.levels:
+                    self.levels[key] = self.database.weight(name, unit.name, self.base[unit.name]).to(self.base[unit.name].dtype)
+                self.linears[unit.name].weight.data.copy_(self.levels[key])
+                self.applied[unit.name] = name
+        # dropped blocks are left out of the layer list; the kept ones keep their cache index
+        kept = nn.ModuleList([layer for index, layer in enumerate(self.all_layers) if index not in dropped])
+        setattr(self.model.get_submodule(self.owner), self.attribute, kept)
+
+    def restore(self) -> None:
+        for name, module in self.linears.items():
+            module.weight.data.copy_(self.base[name])
+        self.applied.clear()
+        setattr(self.model.get_submodule(self.owner), self.attribute, self.all_layers)
+
+
+class KLFitness:
+    """KL(base || candidate) per token on the first windows of a fixed set of calibration
+    windows; the base's side is its final hidden states, computed once (see evaluation.py)."""
+
+    def __init__(self, candidates: Candidates, windows: torch.Tensor, batch_size: int):
+        self.candidates, self.windows, self.batch_size = candidates, windows, batch_size
+        self.head = LMHead.of(candidates.model)
+        self.base_hidden = score_windows(candidates.model, windows, None, batch_size).hidden
+        self.cache: dict[tuple, float] = {}
+
+    def __call__(self, genome: list[int], windows: int) -> float:
+        key = (tuple(genome), windows)
+        if key not in self.cache:
+            self.candidates.apply(genome)
+            scores = score_windows(self.candidates.model, self.windows[:windows], (self.head, self.base_hidden[:windows]), self.batch_size)
+            self.cache[key] = scores.kl_sum / scores.tokens
+        return self.cache[key]
+
+
+@dataclass
+class SearchConfig:
+    budget_bits: float = 0.0  # average code bits per weight over the decoder linears (bits levels)
+    target_sparsity: float = 0.0  # average sparsity over the decoder linears (sparsity levels)
+    drop: bool = False  # also choose blocks to drop (a dropped block's weights cost nothing)
+    generations: int = 50
+    offspring: int = 16
+    selection: str = "1:4,4:1"  # windows:survivors per round
+    seq_len: int = 256  # tokens per fitness window (the start of each calibration window)
+    batch_size: int = 4
+    seed: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "bits" if self.budget_bits else "sparsity"
+
+    def validate(self) -> None:
+        require(
+            bool(self.budget_bits) != bool(self.target_sparsity),
+            "give exactly one budget: --budget-bits (average bits per weight) or --target-sparsity (average sparsity)",
+        )
+        require(self.budget_bits >= 0 and 0 <= self.target_sparsity < 1, "the budget must be positive bits, or a sparsity in (0, 1)")
+        require_positive(generations=self.generations, offspring=self.offspring, seq_len=self.seq_len, batch_size=self.batch_size)
+        parse_selection(self.selection)
+
+
+def search(model: str, levels: Path, calibration: Path, out: Path, config: SearchConfig) -> Path:
+    """Evolutionary search for per-unit levels within the budget; writes the plan (YAML the
+    quantize or prune stage takes as --overrides), the report and the fitness curve. An
+    interrupted search resumes from its last generation."""
+    config.validate()
+    database = LevelDatabase(levels)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, "search", True)
+    database.check_model(chain)
+    units = database.units(config.kind, config.drop)
+    linear_weights = sum(u.size for u in units if not u.is_block)
+    budget = (config.budget_bits if config.kind == "bits" else 1 - config.target_sparsity) * linear_weights
+    check_budget(units, budget, f"{config.budget_bits} bits" if config.kind == "bits" else f"sparsity {config.target_sparsity}")
+    selection = parse_selection(config.selection)
+    windows = calib.spread_samples(selection[-1][0])[:, : config.seq_len]
+    require(windows.shape[0] >= selection[-1][0], f"the calibration artifact holds {windows.shape[0]} windows; the selection needs {selection[-1][0]}")
+    loaded.model.eval()
+    candidates = Candidates(loaded, database, units)
+    fitness = KLFitness(candidates, windows, config.batch_size)
+    resume = ResumeFolder(out, inputs_key(database.manifest, calib.manifest["data_sha256"], asdict(config), chain[0]["weights_sha256"]))
+    state_file = resume.file("state.json")
+    if state_file.is_file():
+        saved = json.loads(state_file.read_text())
+        version, internal, gauss = saved.pop("rng_state")
+        state = SearchState(**saved, rng_state=(version, tuple(internal), gauss))
+    else:
+        state = start_state(units, budget, fitness, selection, config.seed)
+    uniform_fitness = state.history[0]["fitness"] if state.history else state.parent_fitness
+    start = time.perf_counter()
+
+    def checkpoint(state: SearchState) -> None:
+        temporary = state_file.with_suffix(".tmp")
+        temporary.write_text(json.dumps(asdict(state)))
+        temporary.replace(state_file)
+        advance()
+
+    with progress_bar(f"search ({config.kind})", config.generations) as advance:
+        advance(state.generation)
+        state = evolve(units, budget, fitness, config.generations, config.offspring, selection, state, on_generation=checkpoint)
+    candidates.restore()
+    report = {
+        "kind": config.kind, "drop": config.drop, "budget_per_weight": budget / linear_weights,
+        "cost_per_weight": genome_cost(units, state.parent) / linear_weights, "units": len(units),
+        "levels": sorted({level for u in units for level in u.levels}), "generations": state.generation,
+        "evaluations": state.evaluations, "search_s": round(time.perf_counter() - start, 1),
+        "fitness": {"uniform": uniform_fitness, "searched": state.parent_fitness, "windows": selection[-1][0], "seq_len": config.seq_len},
+        "plan": plan_levels(units, state.parent),
+    }
+    with atomic_directory(out) as tmp:
+        (tmp / PLAN_FILE).write_text(plan_yaml(units, state.parent))
+        write_json(tmp / SEARCH_REPORT, report)
+        lines = ["generation,fitness,evaluations"] + [f"{h['generation']},{h['fitness']:.6f},{h['evaluations']}" for h in state.history]
+        (tmp / HISTORY_FILE).write_text("\n".join(lines) + "\n")
+        write_lineage(tmp, chain, {"stage": "search", "params": asdict(config), "levels": database.manifest["params"], **calibration_record(calib)}, run)
+    resume.remove()
+    return Path(out)
+
+
+def plan_levels(units: list[Unit], genome: list[int]) -> dict[str, str]:
+    return {unit.name: unit.levels[level] for unit, level in zip(units, genome)}
+
+
+def plan_yaml(units: list[Unit], genome: list[int]) -> str:
+    """The plan as --overrides for quantize ({linear regex: {bits: b}}) or prune ({linear
+    regex: sparsity}), over the linears of kept blocks (original names); blocks to drop are
+    in search.json's plan."""
+    import yaml
+
+    plan = {}
+    dropped = {u.block for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"}
+    for unit, level in zip(units, genome):
+        name = unit.levels[level]
+        if unit.is_block or unit.block in dropped:
+            continue
+        plan[re.escape(unit.name)] = {"bits": int(name[4:])} if name.startswith("bits") else float(name[len("sparsity"):])
+    return yaml.safe_dump(plan, sort_keys=False)

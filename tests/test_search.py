@@ -1,0 +1,165 @@
+"""Evolutionary search over per-unit levels: the algorithm on a synthetic fitness, and the
+levels/search stages on a tiny model, with the plan consumed by quantize --overrides."""
+
+import random
+
+import pytest
+import torch
+import yaml
+
+from compressors.search import SearchState, Unit, check_budget, evolve, genome_cost, greedy_genome, mutate, start_state, uniform_genome
+from conftest import leftovers, run_cli
+from pipelines.errors import LmpressError
+
+
+def toy_units(count=12, seed=0):
+    g = random.Random(seed)
+    return [Unit(f"u{i}", g.choice([100, 300]), ("bits8", "bits4", "bits3", "bits2"), (8.0, 4.0, 3.0, 2.0), i // 3) for i in range(count)]
+
+
+def toy_fitness(units, sensitivity):
+    """A separable stand-in for KL: each unit's error grows as its bits drop, by its own sensitivity."""
+    penalty = {0: 0.0, 1: 1.0, 2: 3.0, 3: 10.0}
+    return lambda genome, windows: sum(s * penalty[level] for s, level in zip(sensitivity, genome))
+
+
+def test_allocations_and_mutations_stay_within_budget():
+    units = toy_units()
+    total = sum(u.size for u in units)
+    for bits in (2.0, 2.5, 3.0, 3.7, 8.0):
+        budget = bits * total
+        genome = uniform_genome(units, budget)
+        assert genome_cost(units, genome) <= budget
+        rng = random.Random(0)
+        for _ in range(200):
+            genome = mutate(units, genome, budget, rng)
+            assert genome_cost(units, genome) <= budget
+    assert uniform_genome(units, 3.0 * total) == [2] * len(units)  # exactly the 3-bit level
+    with pytest.raises(LmpressError, match="no assignment"):
+        check_budget(units, 1.9 * total, "1.9 bits")
+
+
+def test_evolution_beats_uniform_and_is_reproducible_and_resumable():
+    units = toy_units()
+    sensitivity = [random.Random(i).random() ** 3 * 10 for i in range(len(units))]
+    fitness = toy_fitness(units, sensitivity)
+    budget = 3.0 * sum(u.size for u in units)
+    selection = [(1, 4), (4, 1)]
+
+    def run(generations, state=None):
+        state = state or start_state(units, budget, fitness, selection, seed=7)
+        return evolve(units, budget, fitness, generations, 8, selection, state)
+
+    final = run(60)
+    assert final.parent_fitness < fitness(uniform_genome(units, budget), 4) * 0.8
+    assert [h["fitness"] for h in final.history] == sorted((h["fitness"] for h in final.history), reverse=True)
+    assert run(60).parent == final.parent  # same seed, same plan
+    halfway = run(25)
+    resumed = run(60, SearchState(**{**halfway.__dict__, "history": list(halfway.history)}))
+    assert resumed.parent == final.parent and resumed.evaluations == final.evaluations
+    # the score-based allocation, from the true per-unit errors, also beats uniform on a separable fitness
+    penalty = {0: 0.0, 1: 1.0, 2: 3.0, 3: 10.0}
+    greedy = greedy_genome(units, budget, lambda i, level: sensitivity[i] * penalty[level])
+    assert genome_cost(units, greedy) <= budget and fitness(greedy, 4) < fitness(uniform_genome(units, budget), 4)
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory, real_model_folder):
+    from conftest import save_tiny, tiny_config
+
+    root = tmp_path_factory.mktemp("search")
+    model = save_tiny(root / "tiny", tiny_config("llama"), real_model_folder, root / "calib")
+    levels = root / "levels"
+    result = run_cli("levels", "--model", model, "--calibration", root / "calib", "--bits", "2,4,8", "--group-size", "32",
+                     "--sparsity", "0.3,0.6", "--drop", "--out", levels)
+    assert result.returncode == 0, result.stderr
+    return model, root / "calib", levels
+
+
+def search_args(setup, out, *extra):
+    model, calibration, levels = setup
+    return ("search", "--model", model, "--levels", levels, "--calibration", calibration, "--generations", "4", "--offspring", "4",
+            "--selection", "1:2,2:1", "--seq-len", "16", "--out", out, *extra)
+
+
+def test_search_plan_feeds_quantize_and_is_reproducible(tmp_path, tiny_setup):
+    import json
+
+    from pipelines.levels import LevelDatabase
+
+    model, calibration, levels = tiny_setup
+    first, second = tmp_path / "a", tmp_path / "b"
+    for out in (first, second):
+        result = run_cli(*search_args(tiny_setup, out, "--budget-bits", "3.5"))
+        assert result.returncode == 0, result.stderr
+    assert (first / "plan.yaml").read_bytes() == (second / "plan.yaml").read_bytes()
+    report = json.loads((first / "search.json").read_text())
+    assert report["cost_per_weight"] <= 3.5 and report["fitness"]["searched"] <= report["fitness"]["uniform"]
+    assert report["evaluations"] > 4 and len((first / "history.csv").read_text().splitlines()) == 5
+    plan = yaml.safe_load((first / "plan.yaml").read_text())
+    assert {setting["bits"] for setting in plan.values()} <= {2, 4, 8} and len(plan) == 4 * 7
+    assert not leftovers(first)
+
+    # quantize with the plan gives exactly the weights the search scored
+    quantized = tmp_path / "q"
+    result = run_cli("quantize", "--model", model, "--calibration", calibration, "--method", "gptq", "--sequential", "false",
+                     "--group-size", "32", "--overrides", first / "plan.yaml", "--out", quantized)
+    assert result.returncode == 0, result.stderr
+    from pipelines.models import load_model
+
+    served, database = dict(load_model(str(quantized)).model.named_modules()), LevelDatabase(levels)
+    for name, setting in list(plan.items())[:6]:
+        name = name.replace("\\", "")
+        expected = database.weight(f"bits{setting['bits']}", name, None)
+        assert torch.equal(served[name].weight.float(), expected)
+
+
+def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch):
+    import json
+
+    import pipelines.levels as levels_module
+
+    whole = tmp_path / "whole"
+    assert run_cli(*search_args(tiny_setup, whole, "--target-sparsity", "0.5", "--drop")).returncode == 0
+    report = json.loads((whole / "search.json").read_text())
+    assert report["cost_per_weight"] <= 0.5 + 1e-9 and report["units"] == 4 * 7 + 4
+
+    # interrupted after two generations, then run again: it resumes and ends in the same plan
+    original = levels_module.evolve
+
+    def interrupted(*args, on_generation, **kwargs):
+        def stop_after_two(state):
+            on_generation(state)
+            if state.generation == 2:
+                raise KeyboardInterrupt
+        return original(*args, on_generation=stop_after_two, **kwargs)
+
+    monkeypatch.setattr(levels_module, "evolve", interrupted)
+    model, calibration, levels = tiny_setup
+    config = levels_module.SearchConfig(target_sparsity=0.5, drop=True, generations=4, offspring=4, selection="1:2,2:1", seq_len=16)
+    out = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        levels_module.search(str(model), levels, calibration, out, config)
+    assert not out.exists() and (tmp_path / ".resumed.resume" / "state.json").is_file()
+    monkeypatch.setattr(levels_module, "evolve", original)
+    levels_module.search(str(model), levels, calibration, out, config)
+    assert (out / "plan.yaml").read_bytes() == (whole / "plan.yaml").read_bytes()
+    assert json.loads((out / "search.json").read_text())["evaluations"] == report["evaluations"]
+    assert not leftovers(out)
+
+
+def test_search_bad_input_fails_cleanly(tmp_path, tiny_setup, real_model_folder):
+    from conftest import save_tiny, tiny_config
+
+    model, calibration, levels = tiny_setup
+    out = tmp_path / "plan"
+    result = run_cli(*search_args(tiny_setup, out, "--budget-bits", "1.5"))
+    assert result.returncode != 0 and "no assignment" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli(*search_args(tiny_setup, out, "--budget-bits", "3", "--target-sparsity", "0.5"))
+    assert result.returncode != 0 and "exactly one budget" in result.stderr
+    config = tiny_config("llama")
+    config.num_hidden_layers = 2  # another model: its own weights
+    other = save_tiny(tmp_path / "other", config, real_model_folder, tmp_path / "other-calib")
+    result = run_cli("search", "--model", other, "--levels", levels, "--calibration", tmp_path / "other-calib", "--budget-bits", "3", "--out", out)
+    assert result.returncode != 0 and "was built for" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists() and not leftovers(out)
