@@ -40,7 +40,7 @@ from safetensors.torch import load_file  # noqa: E402
 from benchmarks._report import CORPORA, scratch_directory  # noqa: E402
 from compressors.search import genome_cost, greedy_genome, uniform_genome  # noqa: E402
 from pipelines.evaluation import LMHead, score_windows  # noqa: E402
-from pipelines.levels import Candidates, KLFitness, LevelDatabase  # noqa: E402
+from pipelines.levels import Candidates, KLFitness, LevelDatabase, read_plan  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
 
 
@@ -101,12 +101,12 @@ def main() -> None:
         budget_flag = ["--budget-bits", value] if kind == "bits" else ["--target-sparsity", value]
         command = [sys.executable, "-m", "pipelines.cli", "search", "--model", args.model, "--levels", str(args.levels), "--calibration",
                    str(args.calibration), *budget_flag, "--generations", str(args.generations), "--offspring", str(args.offspring),
-                   "--selection", args.selection, "--seq-len", str(args.seq_len), "--out", str(out), *(["--drop"] if drop else [])]
+                   "--selection", args.selection, "--seq-len", str(args.seq_len), "--out", str(out), "--drop", "true" if drop else "false"]
         start = time.perf_counter()
         subprocess.run(command, check=True, cwd=ROOT)
         search_wall = time.perf_counter() - start
         report = json.loads((out / "search.json").read_text())
-        evolved = [unit.levels.index(report["plan"][unit.name]) for unit in units]
+        evolved = read_plan(units, out)
 
         start = time.perf_counter()
         greedy, greedy_evaluations = sensitivity_genome(units, budget, fitness, 1)

@@ -209,14 +209,14 @@ def levels(
     bits: str = typer.Option("2,3,4,8", help="Bit-widths to quantize every linear to (comma-separated; '' for none)."),
     group_size: int = typer.Option(64, help="Input columns sharing one scale, at every bit-width."),
     method: str = typer.Option("gptq", help="gptq or rtn, from the calibration's stored statistics."),
-    act_order: bool = typer.Option(True, help="GPTQ: quantize columns by decreasing Hessian diagonal."),
+    act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
     sparsity: str = typer.Option("", help="Unstructured sparsity levels (Wanda), e.g. 0.4,0.5,0.6,0.7,0.8 ('' for none)."),
-    drop: bool = typer.Option(False, help="Let the search drop whole decoder blocks too."),
+    drop: Switch = typer.Option(Switch.false, "--drop", help="Let the search drop whole decoder blocks too."),
 ):
     """Compress every linear once at every level: the database `lmpress search` picks from."""
     from pipelines.levels import LevelsConfig, level_database
 
-    config = LevelsConfig(bits=bits, group_size=group_size, method=method, act_order=act_order, sparsity=sparsity, drop=drop)
+    config = LevelsConfig(bits=bits, group_size=group_size, method=method, act_order=bool(act_order), sparsity=sparsity, drop=bool(drop))
     path = level_database(model, calibration, out, config)
     out_console.print(f"level database written to {path}", markup=False, highlight=False)
 
@@ -229,7 +229,7 @@ def search(
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
     budget_bits: float = typer.Option(0.0, "--budget-bits", help="Average bits per weight over the decoder linears."),
     target_sparsity: float = typer.Option(0.0, "--target-sparsity", help="Average sparsity over the decoder linears."),
-    drop: bool = typer.Option(False, help="Also choose whole blocks to drop (their weights cost nothing)."),
+    drop: Switch = typer.Option(Switch.false, "--drop", help="Also choose whole blocks to drop (their weights cost nothing)."),
     generations: int = typer.Option(50, help="Generations of (1 + offspring) evolution."),
     offspring: int = typer.Option(16, help="Children per generation."),
     selection: str = typer.Option("1:4,4:1", help="Rounds of selection, windows:survivors: all children on few windows, the best on more."),
@@ -240,7 +240,7 @@ def search(
     """Evolutionary search (EvoPress) for per-layer levels within a budget; writes plan.yaml for quantize/prune --overrides."""
     from pipelines.levels import SearchConfig, search as run
 
-    config = SearchConfig(budget_bits=budget_bits, target_sparsity=target_sparsity, drop=drop, generations=generations, offspring=offspring,
+    config = SearchConfig(budget_bits=budget_bits, target_sparsity=target_sparsity, drop=bool(drop), generations=generations, offspring=offspring,
                           selection=selection, seq_len=seq_len, batch_size=batch_size, seed=seed)
     path = run(model, levels, calibration, out, config)
     report = json.loads((path / "search.json").read_text())

@@ -307,7 +307,7 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
         "levels": sorted({level for u in units for level in u.levels}), "generations": state.generation,
         "evaluations": state.evaluations, "search_s": round(time.perf_counter() - start, 1),
         "fitness": {"uniform": uniform_fitness, "searched": state.parent_fitness, "windows": selection[-1][0], "seq_len": config.seq_len},
-        "plan": plan_levels(units, state.parent),
+        "dropped_blocks": [u.block for u, level in zip(units, state.parent) if u.is_block and u.levels[level] == "drop"],
     }
     with atomic_directory(out) as tmp:
         (tmp / PLAN_FILE).write_text(plan_yaml(units, state.parent))
@@ -319,8 +319,22 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     return Path(out)
 
 
-def plan_levels(units: list[Unit], genome: list[int]) -> dict[str, str]:
-    return {unit.name: unit.levels[level] for unit, level in zip(units, genome)}
+def read_plan(units: list[Unit], folder: Path) -> list[int]:
+    """The genome a search wrote (plan.yaml and the dropped blocks in search.json)."""
+    import yaml
+
+    plan = {re.sub(r"\\(.)", r"\1", regex): setting for regex, setting in yaml.safe_load((Path(folder) / PLAN_FILE).read_text()).items()}
+    dropped = set(read_json(Path(folder) / SEARCH_REPORT, "re-run `lmpress search`")["dropped_blocks"])
+    genome = []
+    for unit in units:
+        if unit.is_block:
+            genome.append(unit.levels.index("drop" if unit.block in dropped else "keep"))
+        elif unit.block in dropped:
+            genome.append(len(unit.levels) - 1)  # costs nothing either way
+        else:
+            setting = plan[unit.name]
+            genome.append(unit.levels.index(f"bits{setting['bits']}" if isinstance(setting, dict) else f"sparsity{setting:g}"))
+    return genome
 
 
 def plan_yaml(units: list[Unit], genome: list[int]) -> str:

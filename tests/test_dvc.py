@@ -31,6 +31,8 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     params["kv_merge"].update(samples=2, batch_size=2)
     params["draft"].update(layers=2, prompts=2, prompt_len=16, new_tokens=8, real_windows=2, steps=2, batch_size=2)
     params["speculation"].update(prompts=2, prompt_len=32, new_tokens=8, lookahead="2")
+    params["levels"].update(bits="2,4", method="rtn")
+    params["search"].update(generations=2, offspring=2, selection="1:1", seq_len=32)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     dvc("init", "-q", cwd=tmp_path)
@@ -45,9 +47,11 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
         assert (tmp_path / f"artifacts/{smaller}/structure.json").is_file()
     stages = ("calibrate", "evaluate_base", "prune", "evaluate_pruned", "prune_structured", "evaluate_structured", "drop_layers", "evaluate_dropped")
     assert (tmp_path / "artifacts/draft/vocab_trim.safetensors").is_file()
-    for stage in (*stages, "kv_merge", "evaluate_kv_merged", "quantize", "evaluate_quantized", "draft", "evaluate_draft"):
+    assert (tmp_path / "artifacts/search/history.csv").read_text().startswith("generation,fitness")
+    searched = ("levels", "search", "quantize_searched", "evaluate_searched")
+    for stage in (*stages, "kv_merge", "evaluate_kv_merged", "quantize", "evaluate_quantized", "draft", "evaluate_draft", *searched):
         assert f"Stage '{stage}' didn't change, skipping" in again
     shown = dvc("metrics", "show", cwd=tmp_path)
     assert "metrics/base.json" in shown and "metrics/quantized.json" in shown and "metrics/pruned.json" in shown and "metrics/kv-merged.json" in shown
-    assert "lookahead.2.tokens_per_target_forward" in shown
+    assert "lookahead.2.tokens_per_target_forward" in shown and "metrics/quantized-searched.json" in shown
     assert "austen-heldout.kl_to_base" in shown and "pydoc-heldout.perplexity" in shown

@@ -71,7 +71,7 @@ def tiny_setup(tmp_path_factory, real_model_folder):
     model = save_tiny(root / "tiny", tiny_config("llama"), real_model_folder, root / "calib")
     levels = root / "levels"
     result = run_cli("levels", "--model", model, "--calibration", root / "calib", "--bits", "2,4,8", "--group-size", "32",
-                     "--sparsity", "0.3,0.6", "--drop", "--out", levels)
+                     "--sparsity", "0.3,0.6", "--drop", "true", "--out", levels)
     assert result.returncode == 0, result.stderr
     return model, root / "calib", levels
 
@@ -120,9 +120,13 @@ def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch)
     import pipelines.levels as levels_module
 
     whole = tmp_path / "whole"
-    assert run_cli(*search_args(tiny_setup, whole, "--target-sparsity", "0.5", "--drop")).returncode == 0
+    assert run_cli(*search_args(tiny_setup, whole, "--target-sparsity", "0.5", "--drop", "true")).returncode == 0
     report = json.loads((whole / "search.json").read_text())
     assert report["cost_per_weight"] <= 0.5 + 1e-9 and report["units"] == 4 * 7 + 4
+    units = levels_module.LevelDatabase(tiny_setup[2]).units("sparsity", drop=True)
+    genome = levels_module.read_plan(units, whole)  # the plan files give back the searched genome
+    assert levels_module.plan_yaml(units, genome) == (whole / "plan.yaml").read_text()
+    assert genome_cost(units, genome) / sum(u.size for u in units if not u.is_block) == pytest.approx(report["cost_per_weight"])
 
     # interrupted after two generations, then run again: it resumes and ends in the same plan
     original = levels_module.evolve
