@@ -43,11 +43,16 @@ def genome_cost(units: list[Unit], genome: list[int]) -> float:
     return sum(u.size * u.costs[level] for u, level in zip(units, genome) if not u.is_block and u.block not in dropped)
 
 
+def within(cost: float, budget: float) -> bool:
+    """cost <= budget, up to float rounding (a sum of products against a product of sums)."""
+    return cost <= budget * (1 + 1e-9)
+
+
 def check_budget(units: list[Unit], budget: float, what: str) -> None:
     """The budget must lie between the most and the least compressed genomes' costs."""
     lowest = genome_cost(units, [len(u.levels) - 1 for u in units])
     require(
-        lowest <= budget,
+        within(lowest, budget),
         f"no assignment of the database's levels meets the budget {what}: the most compressed one costs "
         f"{lowest / sum(u.size for u in units if not u.is_block):.4g} per weight; raise the budget or build the database with more compressed levels",
     )
@@ -62,12 +67,12 @@ def uniform_genome(units: list[Unit], budget: float) -> list[int]:
     genome = [0] * len(units)
     for level in range(depth):
         genome = [min(level, len(u.levels) - 1) if not u.is_block else 0 for u in units]
-        if genome_cost(units, genome) <= budget:
+        if within(genome_cost(units, genome), budget):
             return genome
         step = [min(level + 1, len(u.levels) - 1) if not u.is_block else 0 for u in units]
         for i in linears:  # move linears to the next level one by one until it fits
             genome[i] = step[i]
-            if genome_cost(units, genome) <= budget:
+            if within(genome_cost(units, genome), budget):
                 return genome
     raise AssertionError("check_budget admits the most compressed genome")
 
@@ -75,22 +80,28 @@ def uniform_genome(units: list[Unit], budget: float) -> list[int]:
 def greedy_genome(units: list[Unit], budget: float, error: Callable[[int, int], float]) -> list[int]:
     """Score-based allocation: from the least compressed genome, repeatedly take the one-level
     step with the smallest error increase per unit of cost saved, `error(unit, level)` being
-    a unit's own error at a level (e.g. its calibration reconstruction error), until the
-    budget holds."""
+    a unit's own error at a level (e.g. the model's error with only that unit compressed),
+    until the budget holds."""
     genome = [0] * len(units)
-    while genome_cost(units, genome) > budget:
-        best, best_ratio = None, float("inf")
+    cost = genome_cost(units, genome)
+    while not within(cost, budget):
+        dropped = {u.block for u, level in zip(units, genome) if u.is_block and level == 1}
+        best, best_ratio, best_saving = None, float("inf"), 0.0
         for i, u in enumerate(units):
-            if genome[i] + 1 >= len(u.levels):
+            if genome[i] + 1 >= len(u.levels) or u.block in dropped:
                 continue
-            saved = genome_cost(units, genome) - genome_cost(units, genome[:i] + [genome[i] + 1] + genome[i + 1 :])
-            if saved <= 0:
+            if u.is_block:  # dropping saves what its linears cost now
+                saving = sum(v.size * v.costs[genome[j]] for j, v in enumerate(units) if not v.is_block and v.block == u.block)
+            else:
+                saving = u.size * (u.costs[genome[i]] - u.costs[genome[i] + 1])
+            if saving <= 0:
                 continue
-            ratio = (error(i, genome[i] + 1) - error(i, genome[i])) / saved
+            ratio = (error(i, genome[i] + 1) - error(i, genome[i])) / saving
             if ratio < best_ratio:
-                best, best_ratio = i, ratio
+                best, best_ratio, best_saving = i, ratio, saving
         require(best is not None, "the score-based allocation cannot meet the budget")
         genome[best] += 1
+        cost -= best_saving
     return genome
 
 
@@ -103,7 +114,7 @@ def mutate(units: list[Unit], genome: list[int], budget: float, rng: random.Rand
         return child
     up = rng.choice(raisable)
     child[up] -= 1
-    while genome_cost(units, child) > budget:
+    while not within(genome_cost(units, child), budget):
         lowerable = [i for i, level in enumerate(child) if i != up and level + 1 < len(units[i].levels)]
         if not lowerable:
             return list(genome)
@@ -173,7 +184,7 @@ def evolve(
         state.history.append({"generation": state.generation, "fitness": state.parent_fitness, "evaluations": state.evaluations})
         if on_generation is not None:
             on_generation(state)
-    assert genome_cost(units, state.parent) <= budget + 1e-6 * budget
+    assert within(genome_cost(units, state.parent), budget)
     return state
 
 

@@ -128,6 +128,21 @@ def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch)
     assert levels_module.plan_yaml(units, genome) == (whole / "plan.yaml").read_text()
     assert genome_cost(units, genome) / sum(u.size for u in units if not u.is_block) == pytest.approx(report["cost_per_weight"])
 
+    # without dropping, prune --overrides builds exactly the masks the search scored
+    plain = tmp_path / "plain"
+    assert run_cli(*search_args(tiny_setup, plain, "--target-sparsity", "0.5")).returncode == 0
+    pruned = tmp_path / "pruned"
+    result = run_cli("prune", "--model", tiny_setup[0], "--calibration", tiny_setup[1], "--method", "wanda", "--sequential", "false",
+                     "--overrides", plain / "plan.yaml", "--out", pruned)
+    assert result.returncode == 0, result.stderr
+    from pipelines.models import load_model
+
+    served, database = dict(load_model(str(pruned)).model.named_modules()), levels_module.LevelDatabase(tiny_setup[2])
+    base = dict(load_model(str(tiny_setup[0])).model.named_modules())
+    for name, sparsity in list(yaml.safe_load((plain / "plan.yaml").read_text()).items())[:6]:
+        name = name.replace("\\", "")
+        assert torch.equal(served[name].weight.float(), database.weight(f"sparsity{sparsity:g}", name, base[name].weight.data))
+
     # interrupted after two generations, then run again: it resumes and ends in the same plan
     original = levels_module.evolve
 
