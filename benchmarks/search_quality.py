@@ -10,7 +10,8 @@ Per experiment (kind:budget[:drop]) three plans, each within the budget:
   only that unit moved to each level (the rest at the least compressed level), and the
   greedy allocation takes the cheapest error per unit of cost saved
   (compressors/search.py:greedy_genome);
-- evolutionary: `lmpress search` as a user runs it, in its own process, timed.
+- evolutionary: `lmpress search` as a user runs it, in its own process, timed, from the
+  uniform allocation (EvoPress) and/or from the sensitivity allocation (`--start`).
 
 Every plan is assembled from the level database in memory and scored on held-out Austen and
 pydoc text (never calibration text) against the base's cached reference (artifacts/reference):
@@ -38,7 +39,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from benchmarks._report import CORPORA, scratch_directory  # noqa: E402
-from compressors.search import genome_cost, greedy_genome, uniform_genome  # noqa: E402
+from compressors.search import genome_cost, sensitivity_genome, uniform_genome  # noqa: E402
 from pipelines.evaluation import LMHead, score_windows  # noqa: E402
 from pipelines.levels import Candidates, KLFitness, LevelDatabase, read_plan  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
@@ -54,18 +55,6 @@ def held_out(candidates: Candidates, genome: list[int], reference: Path, batch_s
     return metrics
 
 
-def sensitivity_genome(units, budget, fitness: KLFitness, windows: int) -> tuple[list[int], int]:
-    """The greedy allocation on one-unit-at-a-time calibration KL; also the evaluations spent."""
-    floor = [0] * len(units)
-    table = {}
-    for i, unit in enumerate(units):
-        for level in range(len(unit.levels)):
-            genome = list(floor)
-            genome[i] = level
-            table[i, level] = fitness(genome, windows)
-    return greedy_genome(units, budget, lambda i, level: table[i, level]), len(table)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m")
@@ -77,6 +66,7 @@ def main() -> None:
     parser.add_argument("--offspring", type=int, default=16)
     parser.add_argument("--selection", default="1:4,4:1")
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--starts", default="uniform", help="first parents of the evolutionary runs: uniform and/or sensitivity")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "search_quality")
     args = parser.parse_args()
 
@@ -97,25 +87,23 @@ def main() -> None:
         candidates = Candidates(loaded, database, units)
         fitness = KLFitness(candidates, calib.spread_samples(4)[:, : args.seq_len], 4)
 
-        out = work / experiment.replace(":", "_")
-        budget_flag = ["--budget-bits", value] if kind == "bits" else ["--target-sparsity", value]
-        command = [sys.executable, "-m", "pipelines.cli", "search", "--model", args.model, "--levels", str(args.levels), "--calibration",
-                   str(args.calibration), *budget_flag, "--generations", str(args.generations), "--offspring", str(args.offspring),
-                   "--selection", args.selection, "--seq-len", str(args.seq_len), "--out", str(out), "--drop", "true" if drop else "false"]
-        start = time.perf_counter()
-        subprocess.run(command, check=True, cwd=ROOT)
-        search_wall = time.perf_counter() - start
-        report = json.loads((out / "search.json").read_text())
-        evolved = read_plan(units, out)
-
         start = time.perf_counter()
         greedy, greedy_evaluations = sensitivity_genome(units, budget, fitness, 1)
-        greedy_wall = time.perf_counter() - start
-        plans = {
-            "uniform": (uniform_genome(units, budget), 0, 0.0),
-            "sensitivity": (greedy, greedy_evaluations, greedy_wall),
-            "evolutionary": (evolved, report["evaluations"], search_wall),
-        }
+        plans = {"uniform": (uniform_genome(units, budget), 0, 0.0), "sensitivity": (greedy, greedy_evaluations, time.perf_counter() - start)}
+        budget_flag = ["--budget-bits", value] if kind == "bits" else ["--target-sparsity", value]
+        reports = {}
+        for first in args.starts.split(","):
+            out = work / f"{experiment.replace(':', '_')}_{first}"
+            command = [sys.executable, "-m", "pipelines.cli", "search", "--model", args.model, "--levels", str(args.levels), "--calibration",
+                       str(args.calibration), *budget_flag, "--generations", str(args.generations), "--offspring", str(args.offspring),
+                       "--selection", args.selection, "--seq-len", str(args.seq_len), "--start", first, "--out", str(out),
+                       "--drop", "true" if drop else "false"]
+            start = time.perf_counter()
+            subprocess.run(command, check=True, cwd=ROOT)
+            reports[first] = json.loads((out / "search.json").read_text())
+            plans[f"evolutionary ({first} start)"] = (
+                read_plan(units, out, database.manifest["layer_prefix"]), reports[first]["evaluations"], time.perf_counter() - start,
+            )
         for method, (genome, evaluations, wall) in plans.items():
             metrics = held_out(candidates, genome, args.reference)
             row = {
@@ -126,7 +114,7 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-        rows[-1]["search"] = {k: report[k] for k in ("units", "levels", "generations", "evaluations", "search_s")}
+        rows[-1]["search"] = {first: {k: r[k] for k in ("units", "levels", "generations", "evaluations", "search_s", "fitness")} for first, r in reports.items()}
         candidates.restore()
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -125,7 +125,8 @@ def mutate(units: list[Unit], genome: list[int], budget: float, rng: random.Rand
 @dataclass
 class SearchState:
     """Everything a resumed search needs: the parent, its fitness on the final round's
-    windows, the generator's state, and the history for the fitness curve."""
+    windows, the generator's state, and the history for the fitness curve (generation 0:
+    the uniform start)."""
 
     generation: int
     parent: list[int]
@@ -188,7 +189,32 @@ def evolve(
     return state
 
 
-def start_state(units: list[Unit], budget: float, fitness: Callable[[list[int], int], float], selection, seed: int) -> SearchState:
-    """The uniform allocation as the first parent."""
-    parent = uniform_genome(units, budget)
-    return SearchState(0, parent, fitness(parent, selection[-1][0]), random.Random(seed).getstate(), [], 1)
+def sensitivity_genome(units: list[Unit], budget: float, fitness: Callable[[list[int], int], float], windows: int) -> tuple[list[int], int]:
+    """The score-based allocation on layer-wise sensitivity: each unit's error at each level is
+    the fitness with only that unit there (the others at their least compressed level), then
+    `greedy_genome`. Returns the genome and the evaluations it took."""
+    table = {}
+    for i, unit in enumerate(units):
+        for level in range(len(unit.levels)):
+            genome = [0] * len(units)
+            genome[i] = level
+            table[i, level] = fitness(genome, windows)
+    evaluations = 1 + sum(len(u.levels) - 1 for u in units)  # the all-least-compressed genome once, then each move
+    return greedy_genome(units, budget, lambda i, level: table[i, level]), evaluations
+
+
+STARTS = ("uniform", "sensitivity")
+
+
+def start_state(units: list[Unit], budget: float, fitness: Callable[[list[int], int], float], selection, seed: int,
+                start: str = "uniform") -> SearchState:
+    """The first parent: the uniform allocation (EvoPress), or the sensitivity allocation,
+    which the search then improves on."""
+    evaluations = 1
+    if start == "sensitivity":
+        parent, evaluations = sensitivity_genome(units, budget, fitness, selection[0][0])
+        evaluations += 1
+    else:
+        parent = uniform_genome(units, budget)
+    score = fitness(parent, selection[-1][0])
+    return SearchState(0, parent, score, random.Random(seed).getstate(), [{"generation": 0, "fitness": score, "evaluations": evaluations}], evaluations)

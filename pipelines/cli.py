@@ -189,6 +189,7 @@ def drop_layers(
     calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (block influence, recovery)."),
     n: int = typer.Option(4, "--n", help="Decoder layers to drop."),
     scorer: str = typer.Option("influence", help="influence (layers that change their input least) or last (the last layers, the baseline)."),
+    layers: str = typer.Option("", help="Comma-separated indices of the layers to drop, e.g. a search's dropped_blocks (overrides --n and --scorer)."),
     recovery_steps: int = RECOVERY_STEPS,
     recovery_lr: float = RECOVERY_LR,
     batch_size: int = RECOVERY_BATCH_SIZE,
@@ -196,7 +197,7 @@ def drop_layers(
     """Drop whole decoder layers: a shallower model stock transformers opens."""
     from pipelines.stages import DropLayersConfig, drop_layers as run
 
-    config = DropLayersConfig(n=n, scorer=scorer, recovery_steps=recovery_steps, recovery_lr=recovery_lr, batch_size=batch_size)
+    config = DropLayersConfig(n=n, scorer=scorer, layers=layers, recovery_steps=recovery_steps, recovery_lr=recovery_lr, batch_size=batch_size)
     path = run(model, calibration, out, config)
     out_console.print(f"shallower model written to {path}", markup=False, highlight=False)
 
@@ -236,17 +237,18 @@ def search(
     seq_len: int = typer.Option(256, help="Tokens per fitness window."),
     batch_size: int = typer.Option(4, help="Windows per forward pass."),
     seed: int = typer.Option(0, help="Seed of the mutations: same seed, same plan."),
+    start: str = typer.Option("uniform", help="The first parent: uniform (every linear at one level) or sensitivity (the greedy allocation on each unit's own KL, one evaluation per unit and level)."),
 ):
     """Evolutionary search (EvoPress) for per-layer levels within a budget; writes plan.yaml for quantize/prune --overrides."""
     from pipelines.levels import SearchConfig, search as run
 
     config = SearchConfig(budget_bits=budget_bits, target_sparsity=target_sparsity, drop=bool(drop), generations=generations, offspring=offspring,
-                          selection=selection, seq_len=seq_len, batch_size=batch_size, seed=seed)
+                          selection=selection, seq_len=seq_len, batch_size=batch_size, seed=seed, start=start)
     path = run(model, levels, calibration, out, config)
     report = json.loads((path / "search.json").read_text())
     fitness = report["fitness"]
     out_console.print(
-        f"plan written to {path / 'plan.yaml'}: calibration KL {fitness['uniform']:.4f} (uniform) -> {fitness['searched']:.4f} "
+        f"plan written to {path / 'plan.yaml'}: calibration KL {fitness['start']:.4f} ({report['start']} start) -> {fitness['searched']:.4f} "
         f"after {report['evaluations']} evaluations in {report['search_s']} s", markup=False, highlight=False,
     )
 

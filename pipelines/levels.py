@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from compressors.search import SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
+from compressors.search import STARTS, SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
 from pipelines.artifact import ResumeFolder, atomic_directory, inputs_key, read_json, write_json, write_lineage
 from pipelines.errors import LmpressError, require
 from pipelines.evaluation import LMHead, score_windows
@@ -247,6 +247,7 @@ class SearchConfig:
     seq_len: int = 256  # tokens per fitness window (the start of each calibration window)
     batch_size: int = 4
     seed: int = 0
+    start: str = "uniform"  # uniform | sensitivity: the first parent
 
     @property
     def kind(self) -> str:
@@ -260,6 +261,7 @@ class SearchConfig:
         require(self.budget_bits >= 0 and 0 <= self.target_sparsity < 1, "the budget must be positive bits, or a sparsity in (0, 1)")
         require_positive(generations=self.generations, offspring=self.offspring, seq_len=self.seq_len, batch_size=self.batch_size)
         parse_selection(self.selection)
+        require(self.start in STARTS, f"--start must be one of {', '.join(STARTS)} (got '{self.start}')")
 
 
 def search(model: str, levels: Path, calibration: Path, out: Path, config: SearchConfig) -> Path:
@@ -287,8 +289,8 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
         version, internal, gauss = saved.pop("rng_state")
         state = SearchState(**saved, rng_state=(version, tuple(internal), gauss))
     else:
-        state = start_state(units, budget, fitness, selection, config.seed)
-    uniform_fitness = state.history[0]["fitness"] if state.history else state.parent_fitness
+        state = start_state(units, budget, fitness, selection, config.seed, config.start)
+    start_fitness = state.history[0]["fitness"]
     start = time.perf_counter()
 
     def checkpoint(state: SearchState) -> None:
@@ -302,15 +304,15 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
         state = evolve(units, budget, fitness, config.generations, config.offspring, selection, state, on_generation=checkpoint)
     candidates.restore()
     report = {
-        "kind": config.kind, "drop": config.drop, "budget_per_weight": budget / linear_weights,
+        "kind": config.kind, "drop": config.drop, "start": config.start, "budget_per_weight": budget / linear_weights,
         "cost_per_weight": genome_cost(units, state.parent) / linear_weights, "units": len(units),
         "levels": sorted({level for u in units for level in u.levels}), "generations": state.generation,
         "evaluations": state.evaluations, "search_s": round(time.perf_counter() - start, 1),
-        "fitness": {"uniform": uniform_fitness, "searched": state.parent_fitness, "windows": selection[-1][0], "seq_len": config.seq_len},
+        "fitness": {"start": start_fitness, "searched": state.parent_fitness, "windows": selection[-1][0], "seq_len": config.seq_len},
         "dropped_blocks": [u.block for u, level in zip(units, state.parent) if u.is_block and u.levels[level] == "drop"],
     }
     with atomic_directory(out) as tmp:
-        (tmp / PLAN_FILE).write_text(plan_yaml(units, state.parent))
+        (tmp / PLAN_FILE).write_text(plan_yaml(units, state.parent, database.manifest["layer_prefix"]))
         write_json(tmp / SEARCH_REPORT, report)
         lines = ["generation,fitness,evaluations"] + [f"{h['generation']},{h['fitness']:.6f},{h['evaluations']}" for h in state.history]
         (tmp / HISTORY_FILE).write_text("\n".join(lines) + "\n")
@@ -319,35 +321,48 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     return Path(out)
 
 
-def read_plan(units: list[Unit], folder: Path) -> list[int]:
-    """The genome a search wrote (plan.yaml and the dropped blocks in search.json)."""
-    import yaml
-
-    plan = {re.sub(r"\\(.)", r"\1", regex): setting for regex, setting in yaml.safe_load((Path(folder) / PLAN_FILE).read_text()).items()}
-    dropped = set(read_json(Path(folder) / SEARCH_REPORT, "re-run `lmpress search`")["dropped_blocks"])
-    genome = []
-    for unit in units:
-        if unit.is_block:
-            genome.append(unit.levels.index("drop" if unit.block in dropped else "keep"))
-        elif unit.block in dropped:
-            genome.append(len(unit.levels) - 1)  # costs nothing either way
-        else:
-            setting = plan[unit.name]
-            genome.append(unit.levels.index(f"bits{setting['bits']}" if isinstance(setting, dict) else f"sparsity{setting:g}"))
-    return genome
-
-
-def plan_yaml(units: list[Unit], genome: list[int]) -> str:
-    """The plan as --overrides for quantize ({linear regex: {bits: b}}) or prune ({linear
-    regex: sparsity}), over the linears of kept blocks (original names); blocks to drop are
-    in search.json's plan."""
-    import yaml
-
-    plan = {}
+def _served_names(units: list[Unit], genome: list[int], prefix: str) -> dict[str, str]:
+    """Each kept linear's name in the model the plan is applied to: with dropped blocks,
+    layers are renumbered as `lmpress drop-layers` renumbers them."""
     dropped = {u.block for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"}
+    kept = sorted({u.block for u in units if not u.is_block} - dropped)
+    names = {}
+    for unit in units:
+        if not unit.is_block and unit.block not in dropped:
+            local = unit.name[len(f"{prefix}.{unit.block}.") :]
+            names[unit.name] = f"{prefix}.{kept.index(unit.block)}.{local}"
+    return names
+
+
+def plan_yaml(units: list[Unit], genome: list[int], prefix: str) -> str:
+    """The plan as --overrides for quantize ({linear regex: {bits: b}}) or prune ({linear
+    regex: sparsity}). With dropped blocks (search.json's dropped_blocks) it is the plan of
+    the model they leave, layers renumbered: `lmpress drop-layers --layers ...` first."""
+    import yaml
+
+    names = _served_names(units, genome, prefix)
+    plan = {}
     for unit, level in zip(units, genome):
-        name = unit.levels[level]
-        if unit.is_block or unit.block in dropped:
-            continue
-        plan[re.escape(unit.name)] = {"bits": int(name[4:])} if name.startswith("bits") else float(name[len("sparsity"):])
+        if unit.name in names:
+            name = unit.levels[level]
+            plan[re.escape(names[unit.name])] = {"bits": int(name[4:])} if name.startswith("bits") else float(name[len("sparsity"):])
     return yaml.safe_dump(plan, sort_keys=False)
+
+
+def read_plan(units: list[Unit], folder: Path, prefix: str) -> list[int]:
+    """The genome a search wrote (plan.yaml, and the dropped blocks in search.json)."""
+    import yaml
+
+    dropped = set(read_json(Path(folder) / SEARCH_REPORT, "re-run `lmpress search`")["dropped_blocks"])
+    genome = [unit.levels.index("drop" if unit.block in dropped else "keep") if unit.is_block else 0 for unit in units]
+    names = _served_names(units, genome, prefix)
+    plan = {re.sub(r"\\(.)", r"\1", regex): setting for regex, setting in yaml.safe_load((Path(folder) / PLAN_FILE).read_text()).items()}
+    for i, unit in enumerate(units):
+        if unit.is_block:
+            continue
+        if unit.name not in names:
+            genome[i] = len(unit.levels) - 1  # in a dropped block: costs nothing either way
+            continue
+        setting = plan[names[unit.name]]
+        genome[i] = unit.levels.index(f"bits{setting['bits']}" if isinstance(setting, dict) else f"sparsity{setting:g}")
+    return genome

@@ -210,9 +210,20 @@ def walk_layers(loaded, calib, config, process, advance) -> None:
                 runner.forward(layer, propagate=False)
             process(index, layer, collector.statistics())
         return
+    base_index = base_layer_indices(read_lineage(loaded.folder))
     for index, layer in enumerate(decoder_layers(loaded.model)):
-        process(index, layer, calib.layer(index) if calib is not None else {})
+        process(index, layer, calib.layer(base_index[index] if base_index else index) if calib is not None else {})
         advance()
+
+
+def base_layer_indices(lineage: dict | None) -> list[int] | None:
+    """For a model whose chain dropped layers: the base model's index of each of its layers
+    (the stored calibration statistics are the base's, by the base's layer index)."""
+    indices = None
+    for record in (lineage or {}).get("chain", []):
+        if "kept_layers" in record:
+            indices = [indices[i] for i in record["kept_layers"]] if indices else list(record["kept_layers"])
+    return indices
 
 
 def begin_stage(model: str, calibration: Path | None, out: Path, method: str, needs_calibration: bool):
@@ -629,6 +640,7 @@ class StructuredConfig:
 class DropLayersConfig:
     n: int = 4  # decoder layers to drop
     scorer: str = "influence"  # influence (lowest block influence first) | last (the last n layers, the baseline)
+    layers: str = ""  # comma-separated indices of the layers to drop (a searched plan); overrides n and scorer
     recovery_steps: int = 0
     recovery_lr: float = 5e-5
     batch_size: int = 2
@@ -636,7 +648,16 @@ class DropLayersConfig:
     def validate(self) -> None:
         require(self.n > 0, f"--n must be at least 1 (got {self.n})")
         require(self.scorer in ("influence", "last"), f"unknown scorer '{self.scorer}'; use influence or last")
+        self.given_layers()
         _validate_recovery(self)
+
+    def given_layers(self) -> list[int]:
+        try:
+            layers = sorted({int(part) for part in self.layers.split(",") if part.strip()})
+        except ValueError:
+            raise LmpressError(f"--layers takes comma-separated layer indices such as 3,7 (got '{self.layers}')") from None
+        require(all(index >= 0 for index in layers), f"--layers takes layer indices from 0 (got '{self.layers}')")
+        return layers
 
 
 def _validate_recovery(config) -> None:
@@ -714,21 +735,26 @@ def drop_layers(model: str, calibration: Path | None, out: Path, config: DropLay
     """Remove whole decoder layers: those with the lowest block influence (how much a layer
     turns its input, from the calibration statistics), or the last ones; a plain HF checkpoint."""
     config.validate()
-    run, loaded, chain, calib = begin_stage(model, calibration, out, f"drop-layers --scorer {config.scorer}", config.scorer == "influence" or config.recovery_steps > 0)
+    given = config.given_layers()
+    needs_influence = config.scorer == "influence" and not given
+    run, loaded, chain, calib = begin_stage(model, calibration, out, f"drop-layers --scorer {config.scorer}", needs_influence or config.recovery_steps > 0)
     layers = decoder_layers(loaded.model)
-    require(
-        config.n < len(layers),
-        f"--n {config.n} would drop every layer of the {len(layers)}; drop at most {len(layers) - 1} (a quarter is a usual limit)",
-    )
-    if config.scorer == "influence":
+    count = len(given) or config.n
+    require(count < len(layers), f"dropping {count} would remove every layer of the {len(layers)}; drop at most {len(layers) - 1} (a quarter is a usual limit)")
+    if given:
+        require(given[-1] < len(layers), f"--layers names layer {given[-1]}, but the model has layers 0-{len(layers) - 1}")
+        influence, dropped = None, given
+    elif config.scorer == "influence":
         influence = calib.block_influence()
         dropped = sorted(sorted(range(len(layers)), key=lambda i: influence[i])[: config.n])
     else:
         influence, dropped = None, list(range(len(layers) - config.n, len(layers)))
     with atomic_directory(out) as tmp:
-        keep_layers(loaded.model, [i for i in range(len(layers)) if i not in dropped])
+        kept = [i for i in range(len(layers)) if i not in dropped]
+        keep_layers(loaded.model, kept)
         report = {"dropped_layers": dropped, "block_influence": influence}
-        _finish_smaller_model(loaded, model, calib, _recovery(config), tmp, report, {"stage": "drop-layers", "params": asdict(config)}, chain, run)
+        record = {"stage": "drop-layers", "params": asdict(config), "kept_layers": kept}
+        _finish_smaller_model(loaded, model, calib, _recovery(config), tmp, report, record, chain, run)
     return Path(out)
 
 

@@ -94,8 +94,8 @@ def test_search_plan_feeds_quantize_and_is_reproducible(tmp_path, tiny_setup):
         assert result.returncode == 0, result.stderr
     assert (first / "plan.yaml").read_bytes() == (second / "plan.yaml").read_bytes()
     report = json.loads((first / "search.json").read_text())
-    assert report["cost_per_weight"] <= 3.5 and report["fitness"]["searched"] <= report["fitness"]["uniform"]
-    assert report["evaluations"] > 4 and len((first / "history.csv").read_text().splitlines()) == 5
+    assert report["cost_per_weight"] <= 3.5 and report["fitness"]["searched"] <= report["fitness"]["start"]
+    assert report["evaluations"] > 4 and len((first / "history.csv").read_text().splitlines()) == 1 + 5  # generations 0 (uniform) to 4
     plan = yaml.safe_load((first / "plan.yaml").read_text())
     assert {setting["bits"] for setting in plan.values()} <= {2, 4, 8} and len(plan) == 4 * 7
     assert not leftovers(first)
@@ -124,8 +124,8 @@ def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch)
     report = json.loads((whole / "search.json").read_text())
     assert report["cost_per_weight"] <= 0.5 + 1e-9 and report["units"] == 4 * 7 + 4
     units = levels_module.LevelDatabase(tiny_setup[2]).units("sparsity", drop=True)
-    genome = levels_module.read_plan(units, whole)  # the plan files give back the searched genome
-    assert levels_module.plan_yaml(units, genome) == (whole / "plan.yaml").read_text()
+    genome = levels_module.read_plan(units, whole, "model.layers")  # the plan files give back the searched genome
+    assert levels_module.plan_yaml(units, genome, "model.layers") == (whole / "plan.yaml").read_text()
     assert genome_cost(units, genome) / sum(u.size for u in units if not u.is_block) == pytest.approx(report["cost_per_weight"])
 
     # without dropping, prune --overrides builds exactly the masks the search scored
@@ -182,3 +182,38 @@ def test_search_bad_input_fails_cleanly(tmp_path, tiny_setup, real_model_folder)
     result = run_cli("search", "--model", other, "--levels", levels, "--calibration", tmp_path / "other-calib", "--budget-bits", "3", "--out", out)
     assert result.returncode != 0 and "was built for" in result.stderr and "Traceback" not in result.stderr
     assert not out.exists() and not leftovers(out)
+
+
+def test_joint_plan_with_dropped_blocks_assembles_through_the_stages(tmp_path, tiny_setup):
+    """A plan that drops a block: drop-layers --layers, then quantize --overrides on the
+    shallower model (renumbered names, statistics of the base's layers) gives the database's
+    weights for every kept linear."""
+    import json
+
+    import pipelines.levels as levels_module
+    from pipelines.models import load_model
+
+    model, calibration, levels = tiny_setup
+    database = levels_module.LevelDatabase(levels)
+    units = database.units("bits", drop=True)
+    genome = [int(unit.block == 1) if unit.is_block else 1 for unit in units]  # every linear at 4 bits, block 1 dropped
+    genome[-5 - 4] = 0  # one linear of the last block at 8 bits
+    plan = tmp_path / "plan"
+    plan.mkdir()
+    (plan / "plan.yaml").write_text(levels_module.plan_yaml(units, genome, "model.layers"))
+    (plan / "search.json").write_text(json.dumps({"dropped_blocks": [1]}))
+    assert levels_module.read_plan(units, plan, "model.layers")[:14] == genome[:7] + [len(units[7].levels) - 1] * 7
+
+    shallow, quantized = tmp_path / "shallow", tmp_path / "quantized"
+    result = run_cli("drop-layers", "--model", model, "--layers", "1", "--out", shallow)
+    assert result.returncode == 0, result.stderr
+    result = run_cli("quantize", "--model", shallow, "--calibration", calibration, "--method", "gptq", "--sequential", "false",
+                     "--group-size", "32", "--overrides", plan / "plan.yaml", "--out", quantized)
+    assert result.returncode == 0, result.stderr
+    served = dict(load_model(str(quantized)).model.named_modules())
+    for unit, level in zip(units, genome):
+        if unit.is_block or unit.block == 1:
+            continue
+        block = unit.block if unit.block < 1 else unit.block - 1
+        name = unit.name.replace(f"layers.{unit.block}.", f"layers.{block}.")
+        assert torch.equal(served[name].weight.float(), database.weight(unit.levels[level], unit.name, None)), unit.name
