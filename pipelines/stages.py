@@ -740,7 +740,8 @@ def drop_layers(model: str, calibration: Path | None, out: Path, config: DropLay
     run, loaded, chain, calib = begin_stage(model, calibration, out, f"drop-layers --scorer {config.scorer}", needs_influence or config.recovery_steps > 0)
     layers = decoder_layers(loaded.model)
     count = len(given) or config.n
-    require(count < len(layers), f"dropping {count} would remove every layer of the {len(layers)}; drop at most {len(layers) - 1} (a quarter is a usual limit)")
+    asked = f"--layers {config.layers}" if given else f"--n {config.n}"
+    require(count < len(layers), f"{asked} would drop every layer of the {len(layers)}; drop at most {len(layers) - 1} (a quarter is a usual limit)")
     if given:
         require(given[-1] < len(layers), f"--layers names layer {given[-1]}, but the model has layers 0-{len(layers) - 1}")
         influence, dropped = None, given
