@@ -35,24 +35,22 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
 from benchmarks._report import CORPORA, scratch_directory  # noqa: E402
 from compressors.search import genome_cost, sensitivity_genome, uniform_genome  # noqa: E402
-from pipelines.evaluation import LMHead, score_windows  # noqa: E402
+from pipelines.evaluation import LMHead  # noqa: E402
 from pipelines.levels import Candidates, KLFitness, LevelDatabase, read_plan  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
+from pipelines.stages import reference_metrics  # noqa: E402
+
+
+METRICS = {"kl": "kl_to_base", "perplexity": "perplexity", "top1": "top1_agreement"}  # column -> reference_metrics key
 
 
 def held_out(candidates: Candidates, genome: list[int], reference: Path, batch_size: int = 4) -> dict:
     candidates.apply(genome)
-    head, metrics = LMHead.load(reference / "lm_head.safetensors"), {}
-    for corpus in CORPORA:
-        cached = load_file(reference / f"{corpus}.safetensors")
-        scores = score_windows(candidates.model, cached["input_ids"], (head, cached["hidden"]), batch_size)
-        metrics[corpus] = {"kl": scores.kl_sum / scores.tokens, "perplexity": scores.perplexity, "top1": scores.top1_agree / scores.tokens}
-    return metrics
+    head = LMHead.load(reference / "lm_head.safetensors")
+    return {corpus: reference_metrics(candidates.model, reference, corpus, head, batch_size) for corpus in CORPORA}
 
 
 def main() -> None:
@@ -110,7 +108,7 @@ def main() -> None:
                 "experiment": experiment, "method": method, "cost_per_weight": round(genome_cost(units, genome) / weights, 4),
                 "dropped_blocks": sum(1 for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"),
                 "calibration_kl": round(fitness(genome, 4), 4), "evaluations": evaluations, "wall_s": round(wall, 1),
-                **{f"{corpus}.{key}": round(value, 4) for corpus, entry in metrics.items() for key, value in entry.items()},
+                **{f"{corpus}.{key}": entry[name] for corpus, entry in metrics.items() for key, name in METRICS.items()},
             }
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -30,11 +30,11 @@ from torch import nn
 
 from compressors.search import STARTS, SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
 from pipelines.artifact import ResumeFolder, atomic_directory, inputs_key, read_json, write_json, write_lineage
-from pipelines.errors import LmpressError, require
+from pipelines.errors import require
 from pipelines.evaluation import LMHead, score_windows
 from pipelines.models import architecture_of, decoder_layers, layer_linears
 from pipelines.progress import progress_bar
-from pipelines.stages import begin_stage, calibration_record, planned_linears, require_positive
+from pipelines.stages import begin_stage, calibration_record, number_list, planned_linears, require_positive
 
 LEVELS_FORMAT = "lmpress-levels"
 LEVELS_VERSION = 1
@@ -42,13 +42,6 @@ LEVELS_METHODS = ("gptq", "rtn")
 PLAN_FILE = "plan.yaml"
 SEARCH_REPORT = "search.json"
 HISTORY_FILE = "history.csv"
-
-
-def _numbers(text: str, kind, what: str) -> list:
-    try:
-        return [kind(part) for part in str(text).split(",") if part.strip()]
-    except ValueError:
-        raise LmpressError(f"{what} must be a comma-separated list of numbers (got '{text}')") from None
 
 
 @dataclass
@@ -63,11 +56,11 @@ class LevelsConfig:
 
     @property
     def bit_levels(self) -> list[int]:
-        return sorted(set(_numbers(self.bits, int, "--bits")), reverse=True)
+        return sorted(set(number_list(self.bits, int, "--bits")), reverse=True)
 
     @property
     def sparsity_levels(self) -> list[float]:
-        return sorted(set(_numbers(self.sparsity, float, "--sparsity")))
+        return sorted(set(number_list(self.sparsity, float, "--sparsity")))
 
     def validate(self) -> None:
         from compressors.grid import GridSpec

@@ -154,19 +154,36 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
         if building and is_base:  # the reference *is* this model's output, scored once just now
             metrics[corpus] = {"perplexity": entry["base_perplexity"], "kl_to_base": 0.0, "top1_agreement": 1.0, "tokens": entry["tokens"]}
             continue
-        cached = load_file(reference / f"{corpus}.safetensors")
-        require(bool(torch.equal(cached["input_ids"], tokens)), f"reference {reference} holds other '{corpus}' tokens; the tokenizers differ")
         with progress_bar(f"evaluate {corpus}", tokens.shape[0]) as advance:
-            scores = score_windows(loaded.model, tokens, (head, cached["hidden"]), config.batch_size, on_batch=advance)
-        metrics[corpus] = {
-            "perplexity": round(scores.perplexity, 4),
-            "kl_to_base": round(scores.kl_sum / scores.tokens, 6),
-            "top1_agreement": round(scores.top1_agree / scores.tokens, 6),
-            "tokens": scores.tokens,
-        }
+            metrics[corpus] = reference_metrics(loaded.model, reference, corpus, head, config.batch_size, tokens, on_batch=advance)
     if out is not None:
         write_json(Path(out), metrics)
     return metrics
+
+
+def reference_metrics(model, reference: Path, corpus: str, head: LMHead, batch_size: int, tokens: torch.Tensor | None = None, on_batch=None) -> dict:
+    """Perplexity, KL to the base and top-1 agreement of `model` on a reference's cached
+    windows of `corpus` (checked to be `tokens` when given)."""
+    cached = load_file(Path(reference) / f"{corpus}.safetensors")
+    require(
+        tokens is None or bool(torch.equal(cached["input_ids"], tokens)),
+        f"reference {reference} holds other '{corpus}' tokens; the tokenizers differ",
+    )
+    scores = score_windows(model, cached["input_ids"], (head, cached["hidden"]), batch_size, on_batch=on_batch)
+    return {
+        "perplexity": round(scores.perplexity, 4),
+        "kl_to_base": round(scores.kl_sum / scores.tokens, 6),
+        "top1_agreement": round(scores.top1_agree / scores.tokens, 6),
+        "tokens": scores.tokens,
+    }
+
+
+def number_list(text: str, kind, option: str) -> list:
+    """A comma-separated option such as '2,3,4' as numbers of `kind`, or a clear error."""
+    try:
+        return [kind(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise LmpressError(f"{option} takes comma-separated numbers such as 2,3 (got '{text}')") from None
 
 
 def held_out_windows(corpus: str, tokenizer, chain: list[dict], windows: int, seq_len: int) -> tuple[torch.Tensor, list[str]]:
@@ -652,10 +669,7 @@ class DropLayersConfig:
         _validate_recovery(self)
 
     def given_layers(self) -> list[int]:
-        try:
-            layers = sorted({int(part) for part in self.layers.split(",") if part.strip()})
-        except ValueError:
-            raise LmpressError(f"--layers takes comma-separated layer indices such as 3,7 (got '{self.layers}')") from None
+        layers = sorted(set(number_list(self.layers, int, "--layers")))
         require(all(index >= 0 for index in layers), f"--layers takes layer indices from 0 (got '{self.layers}')")
         return layers
 

@@ -179,7 +179,7 @@ def test_structured_bad_input_fails_cleanly(tmp_path, tiny_setup):
         (drop_layers, DropLayersConfig(n=0), "--n must be at least 1"),
         (drop_layers, DropLayersConfig(layers="1,7"), "names layer 7, but the model has layers 0-3"),
         (drop_layers, DropLayersConfig(layers="0,1,2,3"), "--layers 0,1,2,3 would drop every layer of the 4"),
-        (drop_layers, DropLayersConfig(layers="one"), "comma-separated layer indices"),
+        (drop_layers, DropLayersConfig(layers="one"), "--layers takes comma-separated numbers"),
     ]
     for stage, config, message in cases:
         with pytest.raises(LmpressError, match=message.replace("(", r"\(").replace(")", r"\)")):
