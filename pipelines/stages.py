@@ -156,6 +156,7 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
             continue
         with progress_bar(f"evaluate {corpus}", tokens.shape[0]) as advance:
             metrics[corpus] = reference_metrics(loaded.model, reference, corpus, head, config.batch_size, tokens, on_batch=advance)
+        metrics[corpus]["base_perplexity"] = entry["base_perplexity"]
     if out is not None:
         write_json(Path(out), metrics)
     return metrics
@@ -276,7 +277,10 @@ def calibration_record(calib) -> dict:
         return {}
     return {
         "seed": calib.manifest["seed"],
-        "calibration": {key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents")},
+        "calibration": {
+            **{key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents")},
+            "tokens_per_sample": calib.manifest["seq_len"],
+        },
     }
 
 
@@ -1112,6 +1116,9 @@ def evaluate_draft(draft_model: str, target: str, out: Path | None, config: Spec
         prompts += [window[None] for window in held_out_windows(corpus, loaded.tokenizer, chains, share, config.prompt_len)[0]] if share else []
     metrics = {
         "draft": draft_model, "target": target, "draft_layers": model.config.num_hidden_layers,
+        # what ties these numbers to the two models (a published card picks them up by these)
+        "draft_lineage_hash": chain_hash(model_chain(draft_model, resolve_model(draft_model), model.config)),
+        "target_lineage_hash": chain_hash(model_chain(target, loaded.folder, loaded.config)),
         "draft_vocabulary": int(token_ids.numel()) if token_ids is not None else model.config.vocab_size,
         "prompts": len(prompts), "prompt_len": config.prompt_len, "new_tokens": config.new_tokens, "lookahead": {},
     }

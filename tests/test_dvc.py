@@ -48,8 +48,11 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     stages = ("calibrate", "evaluate_base", "prune", "evaluate_pruned", "prune_structured", "evaluate_structured", "drop_layers", "evaluate_dropped")
     assert (tmp_path / "artifacts/draft/vocab_trim.safetensors").is_file()
     assert (tmp_path / "artifacts/search/history.csv").read_text().startswith("generation,fitness")
+    card = (tmp_path / "artifacts/quantized-hub/README.md").read_text()  # publish: off by default, a dry run
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "| perplexity, austen-heldout |" in card
+    assert yaml.safe_load((tmp_path / "metrics/publish.json").read_text())["uploaded"] is False
     searched = ("levels", "search", "quantize_searched", "evaluate_searched")
-    for stage in (*stages, "kv_merge", "evaluate_kv_merged", "quantize", "evaluate_quantized", "draft", "evaluate_draft", *searched):
+    for stage in (*stages, "kv_merge", "evaluate_kv_merged", "quantize", "evaluate_quantized", "draft", "evaluate_draft", *searched, "publish"):
         assert f"Stage '{stage}' didn't change, skipping" in again
     shown = dvc("metrics", "show", cwd=tmp_path)
     assert "metrics/base.json" in shown and "metrics/quantized.json" in shown and "metrics/pruned.json" in shown and "metrics/kv-merged.json" in shown

@@ -1,0 +1,160 @@
+"""`lmpress publish` against a real HTTP server on 127.0.0.1 that speaks the hub's upload API
+(tests/hub_server.py): the real huggingface_hub client uploads, nothing of it is mocked."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.errors import LmpressError
+from conftest import leftovers, run_cli
+from hub_server import LocalHub
+
+TOKEN = "hf_lmpress_test_token"
+
+
+def hub_env(hub: LocalHub, tmp_path: Path, token: str | None = TOKEN) -> dict:
+    """The CLI's environment: this hub, its token (or none at all), LFS uploads (the test server
+    speaks the LFS protocol, not Xet) and no stored login from the machine."""
+    env = {key: value for key, value in os.environ.items() if key != "HF_TOKEN"}
+    env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_XET="1", HF_HUB_OFFLINE="0", HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(tmp_path / "hf-home"), LMPRESS_QUIET="1")
+    if token is not None:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def in_process_client(monkeypatch, tmp_path: Path) -> None:
+    """The same settings as hub_env for huggingface_hub in this process (it read the environment
+    at import; its constants are what it checks at each call)."""
+    from huggingface_hub import constants
+
+    for name, value in (("HF_HUB_OFFLINE", False), ("HF_HUB_DISABLE_XET", True), ("HF_HUB_DISABLE_TELEMETRY", True)):
+        monkeypatch.setattr(constants, name, value)
+    for name in ("HF_TOKEN_PATH", "HF_STORED_TOKENS_PATH"):  # no login stored on this machine counts
+        monkeypatch.setattr(constants, name, str(tmp_path / name))
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, real_model_folder) -> tuple[Path, Path]:
+    """A 4-bit RTN SmolLM2 artifact and a folder holding its and its base's evaluate metrics."""
+    from pipelines.stages import EvaluateConfig, evaluate
+
+    root = tmp_path_factory.mktemp("publish")
+    artifact = root / "smollm2-rtn4"
+    result = run_cli("quantize", "--model", "smollm2-135m", "--method", "rtn", "--bits", "4", "--group-size", "64", "--out", artifact)
+    assert result.returncode == 0, result.stderr
+    settings = EvaluateConfig(windows=1, seq_len=64)
+    evaluate(str(artifact), root / "reference", root / "metrics" / "quantized.json", settings)
+    evaluate("smollm2-135m", root / "reference", root / "metrics" / "base.json", settings)
+    return artifact, root / "metrics"
+
+
+def test_publish_sends_every_file_in_one_commit_and_the_download_reloads(quantized, tmp_path, monkeypatch):
+    from huggingface_hub import snapshot_download
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.models import load_model
+
+    artifact, metrics = quantized
+    with LocalHub() as hub:
+        result = run_cli("publish", artifact, "--repo-id", "tester/smollm2-rtn4", "--metrics", metrics, "--receipt", tmp_path / "receipt.json", env=hub_env(hub, tmp_path))
+        assert result.returncode == 0, result.stderr
+        assert TOKEN not in result.stdout + result.stderr
+        arrived = hub.files("tester/smollm2-rtn4")
+        local = {str(p.relative_to(artifact)): p.read_bytes() for p in artifact.rglob("*") if p.is_file()}
+        assert set(arrived) == {*local, "README.md"} and all(arrived[name] == data for name, data in local.items())
+        (commit,) = hub.commits("tester/smollm2-rtn4")
+        lineage = json.loads((artifact / "lineage.json").read_text())
+        assert lineage["hash"][:12] in commit["message"]
+        receipt = json.loads((tmp_path / "receipt.json").read_text())
+        assert receipt["uploaded"] and receipt["commit"] == commit["oid"] and receipt["files"]["README.md"]["bytes"] == len(arrived["README.md"])
+
+        in_process_client(monkeypatch, tmp_path)
+        downloaded = Path(snapshot_download(
+            "tester/smollm2-rtn4", endpoint=hub.url, token=TOKEN, local_dir=tmp_path / "download", cache_dir=tmp_path / "hf-cache",
+        ))
+
+    card = (downloaded / "README.md").read_text()
+    assert TOKEN not in card
+    front = card.split("---")[1]
+    for line in ("base_model: HuggingFaceTB/SmolLM2-135M-Instruct", "base_model_relation: quantized", "library_name: transformers", "license: apache-2.0", "pipeline_tag: text-generation"):
+        assert line in front, line
+    base_ppl = json.loads((metrics / "base.json").read_text())["austen-heldout"]["perplexity"]
+    ppl = json.loads((metrics / "quantized.json").read_text())["austen-heldout"]["perplexity"]
+    assert f"| perplexity, austen-heldout | {base_ppl:.4g} | {ppl:.4g} |" in card
+    assert "gpu_validated: false" in card and "vllm serve tester/smollm2-rtn4" in card and "## Calibration data" not in card  # RTN reads none
+
+    stock = AutoModelForCausalLM.from_pretrained(downloaded).eval()
+    own = load_model(str(artifact)).model.eval()
+    ids = torch.randint(0, 49152, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(stock(ids).logits, own(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_dry_run_writes_the_upload_folder_without_a_token_or_network(quantized, tmp_path, monkeypatch):
+    from pipelines.publish import PublishConfig, publish
+
+    artifact, metrics = quantized
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    out = tmp_path / "hub-folder"
+    result = publish(artifact, PublishConfig(repo_id="tester/x", dry_run=True, metrics=str(metrics)), out)
+    assert not result["uploaded"] and (out / "README.md").read_text() == result["card_text"]
+    assert {p.name for p in out.iterdir()} == {p.name for p in artifact.iterdir()} | {"README.md"}
+    again = publish(artifact, PublishConfig(repo_id="tester/x", dry_run=True, metrics=str(metrics)), tmp_path / "again")
+    assert again["card_text"] == result["card_text"]  # the same artifact gives the same card, byte for byte
+
+
+def test_publish_refuses_bad_input_and_reports_hub_failures_in_one_line(quantized, tmp_path, monkeypatch):
+    from pipelines.publish import PublishConfig, publish
+
+    artifact, _ = quantized
+    in_process_client(monkeypatch, tmp_path)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+
+    def refused(folder, message, **settings):
+        with pytest.raises(LmpressError, match=message):
+            publish(folder, PublishConfig(**{"repo_id": "tester/x", **settings}))
+
+    refused(artifact, "repo id 'tester/bad name!' is not valid on the hub", repo_id="tester/bad name!")
+    refused(artifact, "needs its namespace", repo_id="just-a-name")
+    refused(artifact / "config.json", "is not a folder")
+    unlabeled = tmp_path / "unlabeled"
+    unlabeled.mkdir()
+    for name in ("config.json", "model.safetensors", "validation.json"):
+        os.link(artifact / name, unlabeled / name)
+    refused(unlabeled, "has no lmpress lineage manifest .* or pass --force", dry_run=True)
+    assert publish(unlabeled, PublishConfig(repo_id="tester/x", dry_run=True, force=True), tmp_path / "forced")["files"]
+
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    for path in artifact.iterdir():
+        os.link(path, failed / path.name) if path.is_file() else None
+    report = json.loads((artifact / "validation.json").read_text())
+    next(iter(report["layers"].values()))["max_rel_error"]["16"] = 0.5
+    (failed / "validation.json").unlink()
+    (failed / "validation.json").write_text(json.dumps(report))
+    refused(failed, "validation failed: .* off its torch reference by 0.5 .* pass --force", dry_run=True)
+
+    with LocalHub() as hub:
+        endpoint = {"endpoint": hub.url, "timeout": 2.0}
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+        refused(artifact, "rejected the token \\(401 while checking the token\\)", **endpoint)
+        monkeypatch.delenv("HF_TOKEN")
+        refused(artifact, "no hub token found: set HF_TOKEN", **endpoint)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        hub.fail["commit"] = 500
+        refused(artifact, "answered 500 while uploading and committing.* nothing was committed", **endpoint)
+        hub.fail["commit"] = "hang"
+        refused(artifact, "did not confirm the commit in time", **endpoint)
+        hub.fail.clear()
+        hub.fail["create_repo"] = "hang"
+        refused(artifact, "did not answer while creating the repository within the timeout", **endpoint)
+        assert hub.commits("tester/x") == [] and hub.files("tester/x") == {}  # created, never committed to
+        hub.fail.clear()
+        hub.fail["whoami"] = 401
+        result = run_cli("publish", artifact, "--repo-id", "tester/x", env=hub_env(hub, tmp_path))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "rejected the token" in result.stderr
+    assert TOKEN not in result.stdout + result.stderr and "Traceback" not in result.stderr
+    assert leftovers(artifact) == []  # no staging folder left beside the artifact
