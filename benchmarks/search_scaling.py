@@ -5,7 +5,7 @@ levels per unit, on the CPU.
         [--blocks 10,20,30] [--level-sets 2+4,2+3+4+8] [--generations 30]
 
 For every (searched blocks, level set) pair: the linears of the first `blocks` decoder blocks
-are searched at an average of `--budget` code bits per weight using only the levels in the
+are searched at an average of `--budget` stored bits per weight using only the levels in the
 set (the other blocks stay uncompressed), with the same evolution `lmpress search` runs
 (compressors/search.py:evolve, uniform start, the shipped pipeline's offspring and selection).
 Reported per run: units, candidate evaluations, wall time, seconds per evaluation, calibration
@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
 from compressors.search import Unit, evolve, parse_selection, start_state  # noqa: E402
-from pipelines.levels import Candidates, KLFitness, LevelDatabase  # noqa: E402
+from pipelines.levels import Candidates, KLFitness, LevelDatabase, parse_quantized_level  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def searched_units(database: LevelDatabase, blocks: int, bits: list[int]) -> lis
     for unit in database.units("bits", drop=False):
         if unit.block >= blocks:
             continue
-        keep = [i for i, level in enumerate(unit.levels) if int(level[4:]) in bits]
+        keep = [i for i, level in enumerate(unit.levels) if parse_quantized_level(level)[0] in bits]
         units.append(Unit(unit.name, unit.size, tuple(unit.levels[i] for i in keep), tuple(unit.costs[i] for i in keep), unit.block))
     return units
 
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
     parser.add_argument("--blocks", default="10,20,30")
     parser.add_argument("--level-sets", default="2+4,2+3+4+8")
-    parser.add_argument("--budget", type=float, default=3.0)
+    parser.add_argument("--budget", type=float, default=3.25)  # 3-bit codes + fp16 scales per 64
     parser.add_argument("--generations", type=int, default=30)
     parser.add_argument("--offspring", type=int, default=8)
     parser.add_argument("--selection", default="1:2,2:1")

@@ -134,13 +134,14 @@ def prune(
     bits: int = typer.Option(0, help="sparsegpt: also quantize the kept weights (2, 3, 4 or 8 bits); 0 keeps them in floating point."),
     group_size: int = typer.Option(64, "--group-size", help="With --bits: input columns sharing one scale (32, 64, 128 or -1)."),
     symmetric: Switch = typer.Option(Switch.true, help="With --bits: symmetric grid (zero point 0)."),
+    act_order: Switch = typer.Option(Switch.true, "--act-order", help="sparsegpt: GPTQ's column order for linears a plan leaves dense (pattern 0) but quantizes."),
     damp: float = typer.Option(0.01, help="sparsegpt: dampening added to the Hessian diagonal, as a fraction of its mean."),
     sequential: Switch = typer.Option(
         Switch.true, help="Re-collect each layer's statistics on the already-pruned model (slower, better) instead of using the stored ones.",
     ),
     forward_dtype: str = typer.Option("float32", "--forward-dtype", help="Sequential mode: dtype of the layer passes, float32 or bfloat16."),
     skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'down_proj'."),
-    overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to a pattern (\"4:8\") or a sparsity (0.6): the per-layer plan."),
+    overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to a pattern (\"4:8\"), a sparsity (0.6) or {pattern, bits, group_size}: the per-layer plan."),
     batch_size: int = typer.Option(8, "--batch-size", help="Calibration windows per forward pass."),
 ):
     """Prune the decoder's linears: a dense-with-zeros model any loader opens, plus the compressed 2:4 form lmpress serves."""
@@ -150,8 +151,8 @@ def prune(
         raise LmpressError("pass either --sparsity (unstructured, e.g. 0.5) or --pattern (N:M, e.g. 2:4), not both")
     config = PruneConfig(
         method=method, pattern=pattern if pattern is not None else str(sparsity) if sparsity is not None else "2:4", 
-        refine_cycles=refine_cycles or (50 if refine else 0), bits=bits, group_size=group_size, symmetric=bool(symmetric), damp=damp,
-        sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides, batch_size=batch_size,
+        refine_cycles=refine_cycles or (50 if refine else 0), bits=bits, group_size=group_size, symmetric=bool(symmetric),
+        act_order=bool(act_order), damp=damp, sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides, batch_size=batch_size,
     )
     path = run(model, calibration, out, config)
     out_console.print(f"pruned model written to {path}", markup=False, highlight=False)
@@ -208,16 +209,18 @@ def levels(
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
     calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (GPTQ's Hessians, Wanda's scores)."),
     bits: str = typer.Option("2,3,4,8", help="Bit-widths to quantize every linear to (comma-separated; '' for none)."),
-    group_size: int = typer.Option(64, help="Input columns sharing one scale, at every bit-width."),
+    group_size: str = typer.Option("64", help="Group sizes (input columns sharing one scale), each with every bit-width, e.g. 64,128 (-1: per channel)."),
     method: str = typer.Option("gptq", help="gptq or rtn, from the calibration's stored statistics."),
     act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
+    sparse24: Switch = typer.Option(Switch.false, "--sparse24", help="Each bits level also 2:4 sparse with its kept weights quantized (SparseGPT), for 2:4 on/off."),
     sparsity: str = typer.Option("", help="Unstructured sparsity levels (Wanda), e.g. 0.4,0.5,0.6,0.7,0.8 ('' for none)."),
     drop: Switch = typer.Option(Switch.false, "--drop", help="Let the search drop whole decoder blocks too."),
 ):
     """Compress every linear once at every level: the database `lmpress search` picks from."""
     from pipelines.levels import LevelsConfig, level_database
 
-    config = LevelsConfig(bits=bits, group_size=group_size, method=method, act_order=bool(act_order), sparsity=sparsity, drop=bool(drop))
+    config = LevelsConfig(bits=bits, group_size=group_size, method=method, act_order=bool(act_order), sparse24=bool(sparse24),
+                          sparsity=sparsity, drop=bool(drop))
     path = level_database(model, calibration, out, config)
     out_console.print(f"level database written to {path}", markup=False, highlight=False)
 
@@ -228,9 +231,10 @@ def search(
     levels: Path = typer.Option(..., "--levels", help="Level database from `lmpress levels`."),
     calibration: Path = typer.Option(..., help="Calibration artifact: the fitness is the KL to the base on its windows."),
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
-    budget_bits: float = typer.Option(0.0, "--budget-bits", help="Average bits per weight over the decoder linears."),
+    budget_bits: float = typer.Option(0.0, "--budget-bits", help="Average stored bits per weight over the decoder linears: codes, fp16 scales and 2:4 masks (3-bit codes at group size 64: 3.25)."),
     target_sparsity: float = typer.Option(0.0, "--target-sparsity", help="Average sparsity over the decoder linears."),
     drop: Switch = typer.Option(Switch.false, "--drop", help="Also choose whole blocks to drop (their weights cost nothing)."),
+    sparse24: Switch = typer.Option(Switch.false, "--sparse24", help="With --budget-bits: also choose 2:4 sparsity on/off per linear (a database built with --sparse24 true)."),
     generations: int = typer.Option(50, help="Generations of (1 + offspring) evolution."),
     offspring: int = typer.Option(16, help="Children per generation."),
     selection: str = typer.Option("1:4,4:1", help="Rounds of selection, windows:survivors: all children on few windows, the best on more."),
@@ -242,8 +246,8 @@ def search(
     """Evolutionary search (EvoPress) for per-layer levels within a budget; writes plan.yaml for quantize/prune --overrides."""
     from pipelines.levels import SearchConfig, search as run
 
-    config = SearchConfig(budget_bits=budget_bits, target_sparsity=target_sparsity, drop=bool(drop), generations=generations, offspring=offspring,
-                          selection=selection, seq_len=seq_len, batch_size=batch_size, seed=seed, start=start)
+    config = SearchConfig(budget_bits=budget_bits, target_sparsity=target_sparsity, drop=bool(drop), sparse24=bool(sparse24), generations=generations,
+                          offspring=offspring, selection=selection, seq_len=seq_len, batch_size=batch_size, seed=seed, start=start)
     path = run(model, levels, calibration, out, config)
     report = json.loads((path / "search.json").read_text())
     fitness = report["fitness"]

@@ -1,19 +1,26 @@
 """The level database and the search over it: two stages, `levels` and `search`.
 
 `levels` compresses every decoder linear once at every level of the chosen kinds, from the
-calibration artifact's stored statistics (GPTQ or RTN at each bit-width, Wanda at each
-sparsity), and stores the results compactly (int8 codes with fp16 scales; packed keep masks):
+calibration artifact's stored statistics, and stores the results compactly (int8 codes with
+fp16 scales; packed keep masks):
 
-    manifest.json                base model, calibration, settings, units and levels
-    bits<b>.safetensors          <linear>.codes int8 [out, in], <linear>.scale fp16 [out, groups]
-    sparsity<s>.safetensors      <linear>.keep uint8 [out, ceil(in / 8)] (packed, see pack_bitmask)
+    manifest.json                  base model, calibration, settings, units and levels
+    bits<b>g<g>.safetensors        GPTQ (or RTN) at b bits, group size g:
+                                   <linear>.codes int8 [out, in], <linear>.scale fp16 [out, groups]
+    bits<b>g<g>s24.safetensors     (--sparse24) SparseGPT 2:4 with the kept weights on that grid:
+                                   the same, plus <linear>.keep uint8 [out, ceil(in / 8)]
+    sparsity<s>.safetensors        Wanda at sparsity s: <linear>.keep (packed, see pack_bitmask)
 
-Blocks may also be dropped (`drop`), which needs no tensors. `search` then looks for the
-per-unit levels that best keep the base model's distribution within a budget
-(compressors/search.py), and writes the plan as a YAML file that `lmpress quantize
---overrides` or `lmpress prune --overrides` take as it is, so the searched model is made by
-the same stage functions (and is then the same weights the search scored: the stages compute
-them with the same functions from the same statistics).
+Blocks may also be dropped (`drop`), which needs no tensors. A quantized level's cost is what
+its linear stores per weight, in bits: codes, fp16 scales and, for 2:4, the kept half's codes
+plus a 1-bit mask (compressors/lmpress_format.py), so bit-widths, group sizes, 2:4 on/off and
+dropped blocks trade against each other in one currency, the `bits_per_weight` that
+`lmpress evaluate` reports. `search` looks for the per-unit levels that best keep the base
+model's distribution within a budget (compressors/search.py) and writes the plan as a YAML
+file that `lmpress quantize --overrides` (or, with 2:4 or sparsity levels, `lmpress prune
+--overrides`) takes as it is, so the searched model is made by the same stage functions (and
+is then the same weights the search scored: the stages compute them with the same functions
+from the same statistics).
 """
 
 from __future__ import annotations
@@ -37,26 +44,56 @@ from pipelines.progress import progress_bar
 from pipelines.stages import begin_stage, calibration_record, number_list, planned_linears, require_positive
 
 LEVELS_FORMAT = "lmpress-levels"
-LEVELS_VERSION = 1
+LEVELS_VERSION = 2  # 2: group sizes and 2:4 levels, costs in stored bits
 LEVELS_METHODS = ("gptq", "rtn")
 PLAN_FILE = "plan.yaml"
 SEARCH_REPORT = "search.json"
 HISTORY_FILE = "history.csv"
 
 
+_QUANTIZED_LEVEL = re.compile(r"bits(\d+)g(-?\d+)(s24)?")
+
+
+def quantized_level(bits: int, group_size: int, sparse24: bool = False) -> str:
+    return f"bits{bits}g{group_size}" + ("s24" if sparse24 else "")
+
+
+def parse_quantized_level(level: str) -> tuple[int, int, bool]:
+    bits, group_size, sparse24 = _QUANTIZED_LEVEL.fullmatch(level).groups()
+    return int(bits), int(group_size), sparse24 is not None
+
+
+def stored_bits(level: str, in_features: int) -> float:
+    """Bits a linear stores per weight at a quantized level: the codes, one fp16 scale per
+    group (symmetric grids: no zero points) and, for 2:4, codes for the kept half plus the
+    1-bit keep mask, as compressed-tensors and lmpress-packed store them."""
+    bits, group_size, sparse24 = parse_quantized_level(level)
+    scales = 16 / (group_size if group_size > 0 else in_features)
+    return (bits / 2 + 1 if sparse24 else bits) + scales
+
+
 @dataclass
 class LevelsConfig:
     bits: str = "2,3,4,8"  # quantization levels; "" for none
-    group_size: int = 64
+    group_size: str = "64"  # group sizes, each combined with every bit-width (-1: per channel)
     method: str = "gptq"  # gptq | rtn, symmetric grids, from the stored statistics
     act_order: bool = True
     damp: float = 0.01
+    sparse24: bool = False  # each bits level also as 2:4 sparse + quantized (SparseGPT, jointly)
     sparsity: str = ""  # unstructured sparsity levels (Wanda), e.g. "0.4,0.5,0.6,0.7,0.8"; "" for none
     drop: bool = False  # blocks may be dropped whole
 
     @property
     def bit_levels(self) -> list[int]:
         return sorted(set(number_list(self.bits, int, "--bits")), reverse=True)
+
+    @property
+    def group_sizes(self) -> list[int]:
+        return sorted(set(number_list(str(self.group_size), int, "--group-size")))
+
+    @property
+    def quantized_levels(self) -> list[str]:
+        return [quantized_level(b, g, s24) for b in self.bit_levels for g in self.group_sizes for s24 in (False, True)[: 1 + self.sparse24]]
 
     @property
     def sparsity_levels(self) -> list[float]:
@@ -68,7 +105,9 @@ class LevelsConfig:
 
         require(self.method in LEVELS_METHODS, f"unknown method '{self.method}'; the level database takes {' or '.join(LEVELS_METHODS)}")
         for bits in self.bit_levels:
-            GridSpec(bits, self.group_size)
+            for group_size in self.group_sizes:
+                GridSpec(bits, group_size)
+        require(not self.sparse24 or bool(self.bit_levels), "--sparse24 makes 2:4 variants of the bits levels; give some --bits too")
         for sparsity in self.sparsity_levels:
             require(0 < parse_pattern(sparsity).sparsity < 1, f"sparsity levels must lie in (0, 1) (got {sparsity})")
         require(bool(self.bit_levels or self.sparsity_levels), "give the database some levels: --bits 2,3,4,8 and/or --sparsity 0.4,0.5,0.6")
@@ -80,36 +119,48 @@ def level_database(model: str, calibration: Path | None, out: Path, config: Leve
     from compressors.gptq import gptq_quantize
     from compressors.grid import GridSpec, round_to_nearest
     from compressors.packed_int import pack_bitmask
+    from compressors.sparsegpt import sparsegpt_prune
     from compressors.sparsity import keep_mask, parse_pattern, wanda_score
 
     config.validate()
-    needs_statistics = config.method == "gptq" or bool(config.sparsity_levels)
+    needs_statistics = config.method == "gptq" or config.sparse24 or bool(config.sparsity_levels)
     run, loaded, chain, calib = begin_stage(model, calibration, out, f"levels ({config.method}, wanda)", needs_statistics)
     linears = list(planned_linears(loaded.model, "", {}, None))
     for name, module, _ in linears:
-        for bits in config.bit_levels:
-            GridSpec(bits, config.group_size).check_width(module.in_features, name)
+        for level in config.quantized_levels:
+            bits, group_size, sparse24 = parse_quantized_level(level)
+            GridSpec(bits, group_size).check_width(module.in_features, name)
+            if sparse24:
+                parse_pattern("2:4").check_width(module.in_features, name)
     prefix = architecture_of(loaded.config).layers
-    tensors = {f"bits{b}": {} for b in config.bit_levels} | {f"sparsity{s:g}": {} for s in config.sparsity_levels}
+    tensors = {level: {} for level in config.quantized_levels} | {f"sparsity{s:g}": {} for s in config.sparsity_levels}
     with atomic_directory(out) as tmp, progress_bar("levels", loaded.config.num_hidden_layers) as advance:
         for index, layer in enumerate(decoder_layers(loaded.model)):
             stats = calib.layer(index) if needs_statistics else {}
             for local, module in layer_linears(loaded.model, layer).items():
                 name, weight = f"{prefix}.{index}.{local}", module.weight.data
-                for bits in config.bit_levels:
-                    grid = GridSpec(bits, config.group_size)
-                    if config.method == "gptq":
+                for level in config.quantized_levels:
+                    # the functions (and settings) quantize and prune call, so a plan assembles to these weights
+                    bits, group_size, sparse24 = parse_quantized_level(level)
+                    grid, entry = GridSpec(bits, group_size), {}
+                    if sparse24:
+                        pruned = sparsegpt_prune(weight, stats[local].second_moment, parse_pattern("2:4"), config.damp, grid=grid)
+                        q, entry[f"{name}.keep"] = pruned.quantized, pack_bitmask(pruned.keep)
+                    elif config.method == "gptq":
                         q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order)
                     else:
                         q = round_to_nearest(weight, grid)
-                    tensors[f"bits{bits}"] |= {f"{name}.codes": q.codes.contiguous(), f"{name}.scale": q.scale.half().contiguous()}
+                    tensors[level] |= entry | {f"{name}.codes": q.codes.contiguous(), f"{name}.scale": q.scale.half().contiguous()}
                 for sparsity in config.sparsity_levels:
                     keep = keep_mask(wanda_score(weight, stats[local].second_moment), parse_pattern(sparsity))
                     tensors[f"sparsity{sparsity:g}"][f"{name}.keep"] = pack_bitmask(keep)
             advance()
         for level, level_tensors in tensors.items():
             save_file(level_tensors, tmp / f"{level}.safetensors")
-        units = [{"name": name, "size": module.weight.numel(), "block": int(name.split(".")[len(prefix.split("."))])} for name, module, _ in linears]
+        units = [
+            {"name": name, "size": module.weight.numel(), "in_features": module.in_features, "block": int(name.split(".")[len(prefix.split("."))])}
+            for name, module, _ in linears
+        ]
         write_json(tmp / "manifest.json", {
             "format": LEVELS_FORMAT, "version": LEVELS_VERSION, "base": chain[0], "params": asdict(config), "units": units,
             "layers": loaded.config.num_hidden_layers, "layer_prefix": prefix, **calibration_record(calib),
@@ -139,17 +190,21 @@ class LevelDatabase:
             "rebuild it with `lmpress levels --model` for the model you search",
         )
 
-    def units(self, kind: str, drop: bool) -> list[Unit]:
-        """Linear units with the levels of `kind` (bits: cost = code bits per weight; sparsity:
-        cost = density), plus a keep/drop unit per block with `drop`."""
-        if kind == "bits":
-            levels = [(f"bits{b}", float(b)) for b in self.config.bit_levels]
-        else:
-            levels = [(f"sparsity{s:g}", 1 - s) for s in self.config.sparsity_levels]
-        require(bool(levels), f"level database {self.folder} has no {kind} levels; rebuild it with `lmpress levels --{kind} ...`")
-        require(not drop or self.config.drop, f"level database {self.folder} was built without block dropping; rebuild it with --drop")
-        names, costs = tuple(name for name, _ in levels), tuple(cost for _, cost in levels)
-        units = [Unit(u["name"], u["size"], names, costs, u["block"]) for u in self.manifest["units"]]
+    def units(self, kind: str, drop: bool, sparse24: bool = False) -> list[Unit]:
+        """Linear units with the levels of `kind` (bits: cost = stored bits per weight, with 2:4
+        levels if `sparse24`; sparsity: cost = density), least compressed first, plus a
+        keep/drop unit per block with `drop`."""
+        require(not drop or self.config.drop, f"level database {self.folder} was built without block dropping; rebuild it with --drop true")
+        require(not sparse24 or self.config.sparse24, f"level database {self.folder} has no 2:4 levels; rebuild it with --sparse24 true")
+        units = []
+        for u in self.manifest["units"]:
+            if kind == "bits":
+                levels = [(level, stored_bits(level, u["in_features"])) for level in self.config.quantized_levels if sparse24 or not level.endswith("s24")]
+            else:
+                levels = [(f"sparsity{s:g}", 1 - s) for s in self.config.sparsity_levels]
+            require(bool(levels), f"level database {self.folder} has no {kind} levels; rebuild it with `lmpress levels --{kind} ...`")
+            levels.sort(key=lambda pair: -pair[1])  # stable: equal costs keep the database's order
+            units.append(Unit(u["name"], u["size"], tuple(name for name, _ in levels), tuple(cost for _, cost in levels), u["block"]))
         if drop:
             prefix = self.manifest["layer_prefix"]
             for block in range(self.manifest["layers"]):
@@ -165,11 +220,14 @@ class LevelDatabase:
         if level not in self._cache:
             self._cache[level] = load_file(self.folder / f"{level}.safetensors")
         tensors = self._cache[level]
+        columns = tensors[f"{name}.codes"].shape[1] if level.startswith("bits") else base.shape[1]
+        keep = unpack_bitmask(tensors[f"{name}.keep"], columns) if f"{name}.keep" in tensors else None
         if level.startswith("bits"):
+            bits, group_size, _ = parse_quantized_level(level)
             scale = tensors[f"{name}.scale"].float()
-            spec = GridSpec(int(level[4:]), self.config.group_size)
-            return QuantizedLinear(tensors[f"{name}.codes"], scale, torch.zeros_like(scale), spec).dequantized()
-        return base.float() * unpack_bitmask(tensors[f"{name}.keep"], base.shape[1])
+            weight = QuantizedLinear(tensors[f"{name}.codes"], scale, torch.zeros_like(scale), GridSpec(bits, group_size)).dequantized()
+            return weight if keep is None else weight * keep
+        return base.float() * keep
 
 
 class Candidates:
@@ -231,9 +289,10 @@ class KLFitness:
 
 @dataclass
 class SearchConfig:
-    budget_bits: float = 0.0  # average code bits per weight over the decoder linears (bits levels)
+    budget_bits: float = 0.0  # average stored bits per weight over the decoder linears (codes, scales, 2:4 masks)
     target_sparsity: float = 0.0  # average sparsity over the decoder linears (sparsity levels)
     drop: bool = False  # also choose blocks to drop (a dropped block's weights cost nothing)
+    sparse24: bool = False  # bits: also choose 2:4 sparsity on/off per linear (the database's 2:4 levels)
     generations: int = 50
     offspring: int = 16
     selection: str = "1:4,4:1"  # windows:survivors per round
@@ -252,6 +311,7 @@ class SearchConfig:
             "give exactly one budget: --budget-bits (average bits per weight) or --target-sparsity (average sparsity)",
         )
         require(self.budget_bits >= 0 and 0 <= self.target_sparsity < 1, "the budget must be positive bits, or a sparsity in (0, 1)")
+        require(not self.sparse24 or self.kind == "bits", "--sparse24 chooses 2:4 on/off under a --budget-bits budget; for unstructured sparsity use --target-sparsity alone")
         require_positive(generations=self.generations, offspring=self.offspring, seq_len=self.seq_len, batch_size=self.batch_size)
         parse_selection(self.selection)
         require(self.start in STARTS, f"--start must be one of {', '.join(STARTS)} (got '{self.start}')")
@@ -265,7 +325,7 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     database = LevelDatabase(levels)
     run, loaded, chain, calib = begin_stage(model, calibration, out, "search", True)
     database.check_model(chain)
-    units = database.units(config.kind, config.drop)
+    units = database.units(config.kind, config.drop, config.sparse24)
     linear_weights = sum(u.size for u in units if not u.is_block)
     budget = (config.budget_bits if config.kind == "bits" else 1 - config.target_sparsity) * linear_weights
     check_budget(units, budget, f"{config.budget_bits} bits" if config.kind == "bits" else f"sparsity {config.target_sparsity}")
@@ -303,6 +363,7 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
         "evaluations": state.evaluations, "search_s": round(time.perf_counter() - start, 1),
         "fitness": {"start": start_fitness, "searched": state.parent_fitness, "windows": selection[-1][0], "seq_len": config.seq_len},
         "dropped_blocks": [u.block for u, level in zip(units, state.parent) if u.is_block and u.levels[level] == "drop"],
+        "assemble": assembly_command(units, state.parent, database.config),
     }
     with atomic_directory(out) as tmp:
         (tmp / PLAN_FILE).write_text(plan_yaml(units, state.parent, database.manifest["layer_prefix"]))
@@ -327,19 +388,49 @@ def _served_names(units: list[Unit], genome: list[int], prefix: str) -> dict[str
     return names
 
 
+def _plan_entry(level: str):
+    """A level as the setting an --overrides plan gives one linear: {bits, group_size} for
+    quantize; {pattern, bits, group_size} for prune (2:4 levels, and the dense ones beside
+    them); a sparsity for prune."""
+    if not level.startswith("bits"):
+        return float(level[len("sparsity"):])
+    bits, group_size, sparse24 = parse_quantized_level(level)
+    return {"bits": bits, "group_size": group_size}, sparse24
+
+
+def _is_prune_plan(units: list[Unit]) -> bool:
+    return any(not level.startswith("bits") or level.endswith("s24") for u in units if not u.is_block for level in u.levels)
+
+
 def plan_yaml(units: list[Unit], genome: list[int], prefix: str) -> str:
-    """The plan as --overrides for quantize ({linear regex: {bits: b}}) or prune ({linear
-    regex: sparsity}). With dropped blocks (search.json's dropped_blocks) it is the plan of
-    the model they leave, layers renumbered: `lmpress drop-layers --layers ...` first."""
+    """The plan as --overrides for quantize ({linear regex: {bits, group_size}}) or prune
+    ({linear regex: sparsity}, or {pattern: 2:4 | 0, bits, group_size} with 2:4 levels). With
+    dropped blocks (search.json's dropped_blocks) it is the plan of the model they leave,
+    layers renumbered: `lmpress drop-layers --layers ...` first."""
     import yaml
 
     names = _served_names(units, genome, prefix)
+    prune = _is_prune_plan(units)
     plan = {}
     for unit, level in zip(units, genome):
         if unit.name in names:
-            name = unit.levels[level]
-            plan[re.escape(names[unit.name])] = {"bits": int(name[4:])} if name.startswith("bits") else float(name[len("sparsity"):])
+            entry = _plan_entry(unit.levels[level])
+            if isinstance(entry, tuple):
+                grid, sparse24 = entry
+                entry = {"pattern": "2:4" if sparse24 else 0, **grid} if prune else grid
+            plan[re.escape(names[unit.name])] = entry
     return yaml.safe_dump(plan, sort_keys=False)
+
+
+def assembly_command(units: list[Unit], genome: list[int], levels: LevelsConfig) -> str:
+    """The stage commands that build the searched model from the plan (search.json's hint)."""
+    dropped = [str(u.block) for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"]
+    first = f"lmpress drop-layers --layers {','.join(dropped)} --out DROPPED, then on DROPPED: " if dropped else ""
+    if not _is_prune_plan(units):
+        return first + f"lmpress quantize --method {levels.method} --act-order {str(levels.act_order).lower()} --sequential false --overrides plan.yaml"
+    if any(u.levels[0].startswith("bits") for u in units if not u.is_block):
+        return first + f"lmpress prune --method sparsegpt --bits 4 --act-order {str(levels.act_order).lower()} --sequential false --overrides plan.yaml"
+    return first + "lmpress prune --method wanda --sequential false --overrides plan.yaml"
 
 
 def read_plan(units: list[Unit], folder: Path, prefix: str) -> list[int]:
@@ -357,5 +448,9 @@ def read_plan(units: list[Unit], folder: Path, prefix: str) -> list[int]:
             genome[i] = len(unit.levels) - 1  # in a dropped block: costs nothing either way
             continue
         setting = plan[names[unit.name]]
-        genome[i] = unit.levels.index(f"bits{setting['bits']}" if isinstance(setting, dict) else f"sparsity{setting:g}")
+        if isinstance(setting, dict):
+            level = quantized_level(setting["bits"], setting["group_size"], str(setting.get("pattern", 0)) == "2:4")
+        else:
+            level = f"sparsity{setting:g}"
+        genome[i] = unit.levels.index(level)
     return genome

@@ -507,11 +507,12 @@ class PruneConfig:
     bits: int = 0  # sparsegpt: also quantize the kept weights to this many bits (0: keep them fp)
     group_size: int = 64
     symmetric: bool = True
+    act_order: bool = True  # GPTQ's column order, for linears a plan leaves dense but quantized
     damp: float = 0.01
     sequential: bool = True
     forward_dtype: str = "float32"
     skip: str = ""  # comma-separated regexes of linear names left dense
-    overrides: str = ""  # YAML file: {regex of linear names: pattern, e.g. "4:8" or 0.6}
+    overrides: str = ""  # YAML file: {regex of linear names: pattern, e.g. "4:8" or 0.6, or {pattern, bits, group_size, symmetric}}
     batch_size: int = 8
 
     def validate(self) -> None:
@@ -531,10 +532,13 @@ class PruneConfig:
         require_positive(batch_size=self.batch_size)
         require(self.forward_dtype in FORWARD_DTYPES, f"forward dtype must be float32 or bfloat16 (got '{self.forward_dtype}')")
 
-    def grid(self):
+    def grid(self, settings: dict | None = None):
+        """The grid of the kept weights: the config's, or a plan entry's {bits, group_size,
+        symmetric} over it; None where nothing is quantized."""
         from compressors.grid import GridSpec
 
-        return GridSpec(self.bits, self.group_size, self.symmetric) if self.bits else None
+        settings = {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric, **(settings or {})}
+        return GridSpec(settings["bits"], settings["group_size"], settings["symmetric"]) if settings["bits"] else None
 
     @property
     def refine(self) -> bool:
@@ -546,17 +550,28 @@ class PruneConfig:
 
 
 def pruning_plan(model, config: PruneConfig, overrides: dict) -> dict:
-    """Full linear name -> SparsityPattern: the default, then overrides (first matching regex
-    wins), minus skipped linears; each pattern checked against its linear's input width."""
+    """Full linear name -> (SparsityPattern, grid or None): the default, then overrides (first
+    matching regex wins; a pattern, or {pattern, bits, group_size, symmetric}), minus skipped
+    linears; each checked against its linear's input width."""
     from compressors.sparsity import parse_pattern
 
     plan = {}
     for name, module, setting in planned_linears(model, config.skip, overrides, config.pattern):
-        pattern = parse_pattern(setting)
+        grid_settings = {}
+        if isinstance(setting, dict):
+            require(
+                set(setting) <= {"pattern", "bits", "group_size", "symmetric"},
+                f"override for '{name}' must be a pattern or set only pattern, bits, group_size, symmetric",
+            )
+            grid_settings = {key: value for key, value in setting.items() if key != "pattern"}
+            setting = setting.get("pattern", config.pattern)
+        pattern, grid = parse_pattern(setting), config.grid(grid_settings)
         pattern.check_width(module.in_features, name)
-        if config.bits:
-            config.grid().check_width(module.in_features, name)
-        plan[name] = pattern
+        require(grid is None or config.method == "sparsegpt", f"override for '{name}' quantizes; only --method sparsegpt quantizes while pruning")
+        require(grid is None or not config.refine, "--refine changes the mask after pruning, which a joint quantization cannot follow; prune with --refine, then quantize")
+        if grid is not None:
+            grid.check_width(module.in_features, name)
+        plan[name] = pattern, grid
     return plan
 
 
@@ -566,6 +581,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     the dense-with-zeros model (any loader opens it) plus, where a linear is 2:4 sparse or
     quantized, the compressed form lmpress serves with its kernels in `compressed/`."""
     from compressors.lmpress_format import save_lmpress_packed
+    from compressors.gptq import gptq_quantize
     from compressors.sparsegpt import PrunedLinear, sparsegpt_prune
     from compressors.sparsity import keep_mask, magnitude_score, reconstruction_error, refine_mask, wanda_score
     from pipelines.serving import bundle_kernels, validate
@@ -583,9 +599,12 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
             name = f"{prefix}.{index}.{local}"
             if name not in plan:
                 continue
-            pattern, weight = plan[name], layer.get_submodule(local).weight.data
-            if config.method == "sparsegpt":
-                result = sparsegpt_prune(weight, stats[local].second_moment, pattern, config.damp, grid=config.grid())
+            (pattern, grid), weight = plan[name], layer.get_submodule(local).weight.data
+            if config.method == "sparsegpt" and grid is not None and pattern.sparsity == 0:  # a dense linear of a plan: GPTQ
+                q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order)
+                result = PrunedLinear(q.dequantized(), torch.ones_like(weight, dtype=torch.bool), q)
+            elif config.method == "sparsegpt":
+                result = sparsegpt_prune(weight, stats[local].second_moment, pattern, config.damp, grid=grid)
             else:
                 score = magnitude_score(weight) if config.method == "magnitude" else wanda_score(weight, stats[local].second_moment)
                 keep = keep_mask(score, pattern)
@@ -607,7 +626,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
         record = {"stage": "prune", "params": asdict(config), "overrides": overrides, **calibration_record(calib)}
         write_json(tmp / PRUNE_REPORT, {"linears": report, **_pruning_summary(report)})
         # served compressed: 2:4 linears (their kept half, fp16 or quantized), other quantized ones as grids
-        served = {name: result if plan[name].is_24 else result.quantized for name, result in pruned.items()}
+        served = {name: result if plan[name][0].is_24 else result.quantized for name, result in pruned.items()}
         compressed = {name: form for name, form in served.items() if form is not None}
         if compressed:
             target = tmp / COMPRESSED_FOLDER

@@ -71,7 +71,7 @@ def tiny_setup(tmp_path_factory, real_model_folder):
     model = save_tiny(root / "tiny", tiny_config("llama"), real_model_folder, root / "calib")
     levels = root / "levels"
     result = run_cli("levels", "--model", model, "--calibration", root / "calib", "--bits", "2,4,8", "--group-size", "32",
-                     "--sparsity", "0.3,0.6", "--drop", "true", "--out", levels)
+                     "--sparse24", "true", "--sparsity", "0.3,0.6", "--drop", "true", "--out", levels)
     assert result.returncode == 0, result.stderr
     return model, root / "calib", levels
 
@@ -110,7 +110,7 @@ def test_search_plan_feeds_quantize_and_is_reproducible(tmp_path, tiny_setup):
     served, database = dict(load_model(str(quantized)).model.named_modules()), LevelDatabase(levels)
     for name, setting in list(plan.items())[:6]:
         name = name.replace("\\", "")
-        expected = database.weight(f"bits{setting['bits']}", name, None)
+        expected = database.weight(f"bits{setting['bits']}g32", name, None)
         assert torch.equal(served[name].weight.float(), expected)
 
 
@@ -217,3 +217,37 @@ def test_joint_plan_with_dropped_blocks_assembles_through_the_stages(tmp_path, t
         block = unit.block if unit.block < 1 else unit.block - 1
         name = unit.name.replace(f"layers.{unit.block}.", f"layers.{block}.")
         assert torch.equal(served[name].weight.float(), database.weight(unit.levels[level], unit.name, None)), unit.name
+
+
+def test_joint_bits_and_24_plan_assembles_through_prune(tmp_path, tiny_setup):
+    """Bits, group size and 2:4 on/off in one genome, priced in stored bits: the search keeps
+    the budget, and `prune --method sparsegpt --overrides` builds the database's weights for
+    2:4 linears (SparseGPT with the grid) and dense ones (GPTQ) alike, served compressed."""
+    import json
+
+    import pipelines.levels as levels_module
+    from pipelines.models import load_model
+
+    model, calibration, levels = tiny_setup
+    searched = tmp_path / "searched"
+    result = run_cli(*search_args(tiny_setup, searched, "--budget-bits", "3.0", "--sparse24", "true"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((searched / "search.json").read_text())
+    assert report["cost_per_weight"] <= 3.0 and "lmpress prune --method sparsegpt" in report["assemble"]
+    assert {"bits4g32s24", "bits2g32"} <= set(report["levels"])
+
+    database = levels_module.LevelDatabase(levels)
+    units = database.units("bits", drop=False, sparse24=True)
+    assert units[0].levels[:3] == ("bits8g32", "bits8g32s24", "bits4g32") and units[0].costs[:3] == (8.5, 5.5, 4.5)
+    genome = [u.levels.index("bits4g32s24" if i % 2 else "bits4g32") for i, u in enumerate(units)]  # 2:4 on every other linear
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(levels_module.plan_yaml(units, genome, "model.layers"))
+    pruned = tmp_path / "pruned"
+    result = run_cli("prune", "--model", model, "--calibration", calibration, "--method", "sparsegpt", "--bits", "4", "--group-size", "32",
+                     "--sequential", "false", "--overrides", plan, "--out", pruned)
+    assert result.returncode == 0, result.stderr
+    served = dict(load_model(str(pruned)).model.named_modules())
+    for unit, level in list(zip(units, genome))[:4]:
+        assert torch.equal(served[unit.name].weight.float(), database.weight(unit.levels[level], unit.name, None)), unit.name
+    modules = json.loads((pruned / "compressed" / "config.json").read_text())["quantization_config"]["modules"]
+    assert [modules[u.name]["sparse24"] for u in units[:4]] == [False, True, False, True]
