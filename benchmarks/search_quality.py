@@ -2,9 +2,11 @@
 held-out text.
 
     .venv/bin/python benchmarks/search_quality.py --levels artifacts/levels
-        [--experiments bits:3,sparsity:0.6,bits:3:drop] [--generations 100] [--offspring 16]
+        [--experiments bits:3.25,sparsity:0.6,bits:3.25:drop,bits:3.25:24] [--generations 100] [--offspring 16]
 
-Per experiment (kind:budget[:drop]) three plans, each within the budget:
+Per experiment (kind:budget[:drop][:24]; bits budgets in stored bits per weight, codes plus
+scales, 2:4 masks; `24`: 2:4 on/off per linear too, from a database built with --sparse24)
+three plans, each within the budget:
 - uniform: every linear at the same level (compressors/search.py:uniform_genome);
 - sensitivity: the score-based heuristic. Each unit's sensitivity is the calibration KL with
   only that unit moved to each level (the rest at the least compressed level), and the
@@ -59,7 +61,7 @@ def main() -> None:
     parser.add_argument("--levels", type=Path, default=Path("artifacts/levels"))
     parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
-    parser.add_argument("--experiments", default="bits:3,sparsity:0.6,bits:3:drop")
+    parser.add_argument("--experiments", default="bits:3.25,sparsity:0.6,bits:3.25:drop")
     parser.add_argument("--generations", type=int, default=100)
     parser.add_argument("--offspring", type=int, default=16)
     parser.add_argument("--selection", default="1:4,4:1")
@@ -78,8 +80,8 @@ def main() -> None:
     rows = []
     for experiment in args.experiments.split(","):
         kind, value, *flags = experiment.split(":")
-        drop = "drop" in flags
-        units = database.units(kind, drop)
+        drop, sparse24 = "drop" in flags, "24" in flags
+        units = database.units(kind, drop, sparse24)
         weights = sum(u.size for u in units if not u.is_block)
         budget = (float(value) if kind == "bits" else 1 - float(value)) * weights
         candidates = Candidates(loaded, database, units)
@@ -87,7 +89,12 @@ def main() -> None:
 
         start = time.perf_counter()
         greedy, greedy_evaluations = sensitivity_genome(units, budget, fitness, 1)
-        plans = {"uniform": (uniform_genome(units, budget), 0, 0.0), "sensitivity": (greedy, greedy_evaluations, time.perf_counter() - start)}
+        plans = {"uniform": (uniform_genome(units, budget), 0, 0.0)}
+        if sparse24:  # uniform picks 2:4 + 4-bit at 3.25 bits; the standard is every linear dense at one bit-width
+            dense = database.units(kind, drop)
+            plans["uniform"] = ([u.levels.index(d.levels[level]) for u, d, level in zip(units, dense, uniform_genome(dense, budget))], 0, 0.0)
+            plans["uniform 2:4"] = (uniform_genome(units, budget), 0, 0.0)
+        plans["sensitivity"] = (greedy, greedy_evaluations, time.perf_counter() - start)
         budget_flag = ["--budget-bits", value] if kind == "bits" else ["--target-sparsity", value]
         reports = {}
         for first in args.starts.split(","):
@@ -95,7 +102,7 @@ def main() -> None:
             command = [sys.executable, "-m", "pipelines.cli", "search", "--model", args.model, "--levels", str(args.levels), "--calibration",
                        str(args.calibration), *budget_flag, "--generations", str(args.generations), "--offspring", str(args.offspring),
                        "--selection", args.selection, "--seq-len", str(args.seq_len), "--start", first, "--out", str(out),
-                       "--drop", "true" if drop else "false"]
+                       "--drop", "true" if drop else "false", "--sparse24", "true" if sparse24 else "false"]
             start = time.perf_counter()
             subprocess.run(command, check=True, cwd=ROOT)
             reports[first] = json.loads((out / "search.json").read_text())
