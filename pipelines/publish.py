@@ -28,9 +28,6 @@ from pipelines.errors import LmpressError, require
 CARD_FILE = "README.md"
 DRAFT_REPORT = "draft.json"
 VALIDATION_REPORT = "validation.json"
-# the hub's relations are adapter | merge | quantized | finetune: a pruned, merged or distilled
-# model has changed weights, which the hub files under finetune
-QUANTIZING_STAGES = ("quantize",)
 # the settings that name a stage in the card's one-line summary (all settings are in the table)
 HEADLINE = {
     "quantize": ("method", "bits", "group_size", "symmetric"),
@@ -198,7 +195,9 @@ def _front_matter(facts: ArtifactFacts, tags: list[str]) -> str:
 
     stock, _ = loaders(facts)
     base = base_hub_id(facts)
-    quantized = any(record["stage"] in QUANTIZING_STAGES for record in facts.chain)
+    # the hub's relations are adapter | merge | quantized | finetune: a model that stores quantized
+    # weights is "quantized"; a pruned, merged or distilled one has changed weights: "finetune"
+    quantized = bool(facts.quantization)
     license_id = facts.chain[0].get("license", "unknown") if facts.chain else "unknown"
     data = ModelCardData(
         base_model=base,
@@ -252,9 +251,10 @@ def _loading_section(facts: ArtifactFacts, repo_id: str) -> list[str]:
     if vllm:
         lines += ["vLLM:", "", "```bash", f"vllm serve {repo_id}", "```", ""]
     if facts.draft_report is not None:
-        target = facts.draft_report.get("target", {}).get("model", "TARGET")
+        target = facts.draft_report.get("target", {})
         lines += [
-            f"As a speculative-decoding draft for `{target}` (greedy output identical to the target's):", "", "```python",
+            f"As a speculative-decoding draft for the model it was distilled against (`{target.get('model')}`, lineage "
+            f"`{str(target.get('lineage_hash'))[:16]}…`); greedy output stays identical to the target's:", "", "```python",
             f'draft = AutoModelForCausalLM.from_pretrained("{repo_id}")',
             "output = target.generate(**inputs, assistant_model=draft, do_sample=False)", "```", "",
         ]
