@@ -379,10 +379,8 @@ def publish(
         typer.echo(f"dry run: nothing uploaded; the folder above is {out}")
     else:
         size = sum(entry["bytes"] for entry in result["files"].values())
-        out_console.print(
-            f"published {len(result['files'])} files ({size / 1e6:.1f} MB) to {result['url']} (revision {revision}) in commit {result['commit']}",
-            markup=False, highlight=False,
-        )
+        done = f"published {len(result['files'])} files ({size / 1e6:.1f} MB) to" if result["new_commit"] else "nothing new to commit: already on"
+        out_console.print(f"{done} {result['url']} (revision {revision}) at commit {result['commit']}", markup=False, highlight=False)
 
 
 @app.command()

@@ -534,6 +534,10 @@ def _push(staging: Path, facts: ArtifactFacts, config: PublishConfig, token: str
     call("creating the repository", lambda: api.create_repo(config.repo_id, private=config.private, exist_ok=True))
     if config.revision != "main":
         call(f"creating branch {config.revision}", lambda: api.create_branch(config.repo_id, branch=config.revision, exist_ok=True))
+    try:  # the branch's head before: huggingface_hub skips a commit that would change nothing
+        head = api.repo_info(config.repo_id, revision=config.revision).sha
+    except Exception:  # noqa: BLE001 - a new repository may have no commit yet; the commit below reports real errors
+        head = None
     operations = [CommitOperationAdd(path_in_repo=str(path.relative_to(staging)), path_or_fileobj=str(path)) for path in sorted(staging.rglob("*")) if path.is_file()]
     description = json.dumps({"lineage_hash": facts.lineage["hash"] if facts.lineage else None}, sort_keys=True)
     info = call(
@@ -541,7 +545,10 @@ def _push(staging: Path, facts: ArtifactFacts, config: PublishConfig, token: str
         lambda: api.create_commit(config.repo_id, operations=operations, commit_message=_commit_message(facts), commit_description=description, revision=config.revision),
         committing=True,
     )
-    return {"uploaded": True, "endpoint": endpoint, "commit": info.oid, "commit_url": info.commit_url, "url": f"{endpoint}/{config.repo_id}"}
+    return {
+        "uploaded": True, "new_commit": info.oid != head, "endpoint": endpoint, "commit": info.oid, "commit_url": info.commit_url,
+        "url": f"{endpoint}/{config.repo_id}",
+    }
 
 
 def card_preview(result: dict) -> str:

@@ -59,7 +59,10 @@ def test_publish_sends_every_file_in_one_commit_and_the_download_reloads(quantiz
 
     artifact, metrics = quantized
     with LocalHub() as hub:
-        result = run_cli("publish", artifact, "--repo-id", "tester/smollm2-rtn4", "--metrics", metrics, "--receipt", tmp_path / "receipt.json", env=hub_env(hub, tmp_path))
+        result = run_cli(
+            "publish", artifact, "--repo-id", "tester/smollm2-rtn4", "--private", "--metrics", metrics, "--receipt", tmp_path / "receipt.json",
+            env=hub_env(hub, tmp_path),
+        )
         assert result.returncode == 0, result.stderr
         assert TOKEN not in result.stdout + result.stderr
         arrived = hub.files("tester/smollm2-rtn4")
@@ -69,9 +72,17 @@ def test_publish_sends_every_file_in_one_commit_and_the_download_reloads(quantiz
         lineage = json.loads((artifact / "lineage.json").read_text())
         assert lineage["hash"][:12] in commit["message"]
         receipt = json.loads((tmp_path / "receipt.json").read_text())
-        assert receipt["uploaded"] and receipt["commit"] == commit["oid"] and receipt["files"]["README.md"]["bytes"] == len(arrived["README.md"])
+        assert receipt["uploaded"] and receipt["new_commit"] and receipt["commit"] == commit["oid"] and receipt["files"]["README.md"]["bytes"] == len(arrived["README.md"])
+
+        assert hub.repos()["tester/smollm2-rtn4"]["private"]
 
         in_process_client(monkeypatch, tmp_path)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        from pipelines.publish import PublishConfig, publish
+
+        again = publish(artifact, PublishConfig(repo_id="tester/smollm2-rtn4", revision="candidate", endpoint=hub.url, metrics=str(metrics)))
+        assert hub.files("tester/smollm2-rtn4", "candidate") == arrived  # a new branch from main, with the same bytes
+        assert not again["new_commit"] and len(hub.commits("tester/smollm2-rtn4")) == 1  # nothing changed: no empty commit
         downloaded = Path(snapshot_download(
             "tester/smollm2-rtn4", endpoint=hub.url, token=TOKEN, local_dir=tmp_path / "download", cache_dir=tmp_path / "hf-cache",
         ))
