@@ -97,7 +97,7 @@ def main() -> None:
         plans["sensitivity"] = (greedy, greedy_evaluations, time.perf_counter() - start)
         budget_flag = ["--budget-bits", value] if kind == "bits" else ["--target-sparsity", value]
         reports = {}
-        for first in args.starts.split(","):
+        for first in filter(None, args.starts.split(",")):  # --starts "": the baselines only
             out = work / f"{experiment.replace(':', '_')}_{first}"
             command = [sys.executable, "-m", "pipelines.cli", "search", "--model", args.model, "--levels", str(args.levels), "--calibration",
                        str(args.calibration), *budget_flag, "--generations", str(args.generations), "--offspring", str(args.offspring),

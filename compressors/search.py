@@ -77,30 +77,41 @@ def uniform_genome(units: list[Unit], budget: float) -> list[int]:
     raise AssertionError("check_budget admits the most compressed genome")
 
 
+def _next_steps(unit: Unit, level: int) -> list[int]:
+    """The levels one step more compressed than `level`: those at the next lower cost. Levels
+    of equal cost (4-bit 2:4 and 3-bit dense both store 3.25 bits at group 64) are
+    alternatives, not steps, so a step never saves nothing."""
+    if unit.is_block:  # keep -> drop: what it saves is what its linears cost (see greedy_genome)
+        return [level + 1] if level + 1 < len(unit.levels) else []
+    lower = [j for j in range(level + 1, len(unit.levels)) if unit.costs[j] < unit.costs[level]]
+    return [j for j in lower if unit.costs[j] == max(unit.costs[k] for k in lower)]
+
+
 def greedy_genome(units: list[Unit], budget: float, error: Callable[[int, int], float]) -> list[int]:
-    """Score-based allocation: from the least compressed genome, repeatedly take the one-level
-    step with the smallest error increase per unit of cost saved, `error(unit, level)` being
-    a unit's own error at a level (e.g. the model's error with only that unit compressed),
-    until the budget holds."""
+    """Score-based allocation: from the least compressed genome, repeatedly take the step to
+    a next cheaper level with the smallest error increase per unit of cost saved,
+    `error(unit, level)` being a unit's own error at a level (e.g. the model's error with only
+    that unit compressed), until the budget holds."""
     genome = [0] * len(units)
     cost = genome_cost(units, genome)
     while not within(cost, budget):
         dropped = {u.block for u, level in zip(units, genome) if u.is_block and level == 1}
         best, best_ratio, best_saving = None, float("inf"), 0.0
         for i, u in enumerate(units):
-            if genome[i] + 1 >= len(u.levels) or u.block in dropped:
+            if u.block in dropped:
                 continue
-            if u.is_block:  # dropping saves what its linears cost now
-                saving = sum(v.size * v.costs[genome[j]] for j, v in enumerate(units) if not v.is_block and v.block == u.block)
-            else:
-                saving = u.size * (u.costs[genome[i]] - u.costs[genome[i] + 1])
-            if saving <= 0:
-                continue
-            ratio = (error(i, genome[i] + 1) - error(i, genome[i])) / saving
-            if ratio < best_ratio:
-                best, best_ratio, best_saving = i, ratio, saving
+            for step in _next_steps(u, genome[i]):
+                if u.is_block:  # dropping saves what its linears cost now
+                    saving = sum(v.size * v.costs[genome[j]] for j, v in enumerate(units) if not v.is_block and v.block == u.block)
+                else:
+                    saving = u.size * (u.costs[genome[i]] - u.costs[step])
+                if saving <= 0:
+                    continue
+                ratio = (error(i, step) - error(i, genome[i])) / saving
+                if ratio < best_ratio:
+                    best, best_ratio, best_saving = (i, step), ratio, saving
         require(best is not None, "the score-based allocation cannot meet the budget")
-        genome[best] += 1
+        genome[best[0]] = best[1]
         cost -= best_saving
     return genome
 

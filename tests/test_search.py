@@ -251,3 +251,15 @@ def test_joint_bits_and_24_plan_assembles_through_prune(tmp_path, tiny_setup):
         assert torch.equal(served[unit.name].weight.float(), database.weight(unit.levels[level], unit.name, None)), unit.name
     modules = json.loads((pruned / "compressed" / "config.json").read_text())["quantization_config"]["modules"]
     assert [modules[u.name]["sparse24"] for u in units[:4]] == [False, True, False, True]
+
+
+def test_greedy_steps_over_levels_of_equal_cost():
+    """4-bit 2:4 and 3-bit dense both store 3.25 bits: the score-based allocation must be able
+    to reach the dense 3-bit level (and below) from either, not stop at the first of a tie."""
+    levels, costs = ("b4", "b4s24", "b3", "b3s24", "b2"), (4.25, 3.25, 3.25, 2.75, 2.25)
+    units = [Unit(f"u{i}", 100, levels, costs, i) for i in range(4)]
+    error = {"b4": 0.0, "b4s24": 5.0, "b3": 1.0, "b3s24": 6.0, "b2": 4.0}
+    genome = greedy_genome(units, 3.25 * 400, lambda i, level: error[levels[level]])
+    assert [levels[level] for level in genome] == ["b3"] * 4
+    genome = greedy_genome(units, 2.75 * 400, lambda i, level: error[levels[level]])
+    assert sorted(levels[level] for level in genome) == ["b2", "b2", "b3", "b3"]
