@@ -38,16 +38,18 @@ def in_process_client(monkeypatch, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory, real_model_folder) -> tuple[Path, Path]:
-    """A 4-bit RTN SmolLM2 artifact and a folder holding its and its base's evaluate metrics."""
+    """A 4-bit RTN artifact of a tiny Llama and a folder holding its and its base's evaluate
+    metrics. (The real model's card is checked by test_dvc's publish stage, a dry run.)"""
+    from conftest import save_tiny, tiny_config
     from pipelines.stages import EvaluateConfig, evaluate
 
     root = tmp_path_factory.mktemp("publish")
-    artifact = root / "smollm2-rtn4"
-    result = run_cli("quantize", "--model", "smollm2-135m", "--method", "rtn", "--bits", "4", "--group-size", "64", "--out", artifact)
+    base, artifact = save_tiny(root / "tiny", tiny_config("llama"), real_model_folder), root / "tiny-rtn4"
+    result = run_cli("quantize", "--model", base, "--method", "rtn", "--bits", "4", "--group-size", "32", "--out", artifact)
     assert result.returncode == 0, result.stderr
     settings = EvaluateConfig(windows=1, seq_len=64)
     evaluate(str(artifact), root / "reference", root / "metrics" / "quantized.json", settings)
-    evaluate("smollm2-135m", root / "reference", root / "metrics" / "base.json", settings)
+    evaluate(str(base), root / "reference", root / "metrics" / "base.json", settings)
     return artifact, root / "metrics"
 
 
@@ -60,42 +62,44 @@ def test_publish_sends_every_file_in_one_commit_and_the_download_reloads(quantiz
     artifact, metrics = quantized
     with LocalHub() as hub:
         result = run_cli(
-            "publish", artifact, "--repo-id", "tester/smollm2-rtn4", "--private", "--metrics", metrics, "--receipt", tmp_path / "receipt.json",
+            "publish", artifact, "--repo-id", "tester/tiny-rtn4", "--private", "--metrics", metrics, "--receipt", tmp_path / "receipt.json",
             env=hub_env(hub, tmp_path),
         )
         assert result.returncode == 0, result.stderr
         assert TOKEN not in result.stdout + result.stderr
-        arrived = hub.files("tester/smollm2-rtn4")
+        arrived = hub.files("tester/tiny-rtn4")
         local = {str(p.relative_to(artifact)): p.read_bytes() for p in artifact.rglob("*") if p.is_file()}
         assert set(arrived) == {*local, "README.md"} and all(arrived[name] == data for name, data in local.items())
-        (commit,) = hub.commits("tester/smollm2-rtn4")
+        (commit,) = hub.commits("tester/tiny-rtn4")
         lineage = json.loads((artifact / "lineage.json").read_text())
         assert lineage["hash"][:12] in commit["message"]
         receipt = json.loads((tmp_path / "receipt.json").read_text())
         assert receipt["uploaded"] and receipt["new_commit"] and receipt["commit"] == commit["oid"] and receipt["files"]["README.md"]["bytes"] == len(arrived["README.md"])
 
-        assert hub.repos()["tester/smollm2-rtn4"]["private"]
+        assert hub.repos()["tester/tiny-rtn4"]["private"]
 
         in_process_client(monkeypatch, tmp_path)
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         from pipelines.publish import PublishConfig, publish
 
-        again = publish(artifact, PublishConfig(repo_id="tester/smollm2-rtn4", revision="candidate", endpoint=hub.url, metrics=str(metrics)))
-        assert hub.files("tester/smollm2-rtn4", "candidate") == arrived  # a new branch from main, with the same bytes
-        assert not again["new_commit"] and len(hub.commits("tester/smollm2-rtn4")) == 1  # nothing changed: no empty commit
+        again = publish(artifact, PublishConfig(repo_id="tester/tiny-rtn4", revision="candidate", endpoint=hub.url, metrics=str(metrics)))
+        assert hub.files("tester/tiny-rtn4", "candidate") == arrived  # a new branch from main, with the same bytes
+        assert not again["new_commit"] and len(hub.commits("tester/tiny-rtn4")) == 1  # nothing changed: no empty commit
         downloaded = Path(snapshot_download(
-            "tester/smollm2-rtn4", endpoint=hub.url, token=TOKEN, local_dir=tmp_path / "download", cache_dir=tmp_path / "hf-cache",
+            "tester/tiny-rtn4", endpoint=hub.url, token=TOKEN, local_dir=tmp_path / "download", cache_dir=tmp_path / "hf-cache",
         ))
 
     card = (downloaded / "README.md").read_text()
     assert TOKEN not in card
     front = card.split("---")[1]
-    for line in ("base_model: HuggingFaceTB/SmolLM2-135M-Instruct", "base_model_relation: quantized", "library_name: transformers", "license: apache-2.0", "pipeline_tag: text-generation"):
+    for line in ("library_name: transformers", "license: other", "pipeline_tag: text-generation", "- compressed-tensors"):
         assert line in front, line
+    assert "base_model" not in front  # a local folder is no hub id: the card claims no base it cannot name
     base_ppl = json.loads((metrics / "base.json").read_text())["austen-heldout"]["perplexity"]
     ppl = json.loads((metrics / "quantized.json").read_text())["austen-heldout"]["perplexity"]
     assert f"| perplexity, austen-heldout | {base_ppl:.4g} | {ppl:.4g} |" in card
-    assert "gpu_validated: false" in card and "vllm serve tester/smollm2-rtn4" in card and "## Calibration data" not in card  # RTN reads none
+    assert "gpu_validated: false" in card and "vllm serve tester/tiny-rtn4" in card and "## Calibration data" not in card  # RTN reads none
+    assert "license was not recorded" in card
 
     stock = AutoModelForCausalLM.from_pretrained(downloaded).eval()
     own = load_model(str(artifact)).model.eval()
