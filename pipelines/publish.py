@@ -127,6 +127,9 @@ def _match_metrics(facts: ArtifactFacts, spec: str) -> None:
     own, base = facts.lineage["hash"], chain_hash(facts.chain[:1])
     for file, explicit in _metrics_files(spec):
         metrics = read_json(file, "re-run the evaluation that wrote it")
+        if not isinstance(metrics, dict):  # some other JSON in a metrics folder
+            require(not explicit, f"{file} is not an lmpress metrics file; pass the files `lmpress evaluate --out` wrote")
+            continue
         if metrics.get("draft_lineage_hash") == own:
             facts.draft_metrics = metrics
         elif metrics.get("lineage_hash") == own:
