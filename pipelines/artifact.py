@@ -104,6 +104,15 @@ def atomic_directory(out: Path) -> Iterator[Path]:
 # --------------------------------------------------------------------------- lineage
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in blocks (weights files run to gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def code_version() -> str:
     """sha256 of lmpress's own source files: identifies the code with or without git."""
     digest = hashlib.sha256()

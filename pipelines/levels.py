@@ -388,14 +388,15 @@ def _served_names(units: list[Unit], genome: list[int], prefix: str) -> dict[str
     return names
 
 
-def _plan_entry(level: str):
+def _plan_entry(level: str, prune: bool):
     """A level as the setting an --overrides plan gives one linear: {bits, group_size} for
-    quantize; {pattern, bits, group_size} for prune (2:4 levels, and the dense ones beside
-    them); a sparsity for prune."""
+    quantize; for prune a sparsity, or {pattern: 2:4 | 0, bits, group_size} (2:4 levels and
+    the dense ones beside them)."""
     if not level.startswith("bits"):
         return float(level[len("sparsity"):])
     bits, group_size, sparse24 = parse_quantized_level(level)
-    return {"bits": bits, "group_size": group_size}, sparse24
+    grid = {"bits": bits, "group_size": group_size}
+    return {"pattern": "2:4" if sparse24 else 0, **grid} if prune else grid
 
 
 def _is_prune_plan(units: list[Unit]) -> bool:
@@ -414,11 +415,7 @@ def plan_yaml(units: list[Unit], genome: list[int], prefix: str) -> str:
     plan = {}
     for unit, level in zip(units, genome):
         if unit.name in names:
-            entry = _plan_entry(unit.levels[level])
-            if isinstance(entry, tuple):
-                grid, sparse24 = entry
-                entry = {"pattern": "2:4" if sparse24 else 0, **grid} if prune else grid
-            plan[re.escape(names[unit.name])] = entry
+            plan[re.escape(names[unit.name])] = _plan_entry(unit.levels[level], prune)
     return yaml.safe_dump(plan, sort_keys=False)
 
 

@@ -14,7 +14,6 @@ token); lmpress never prints it, writes it or puts it in an error message.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.artifact import atomic_directory, chain_hash, read_json, read_lineage, write_json
+from pipelines.artifact import atomic_directory, chain_hash, file_sha256, read_json, read_lineage, write_json
 from pipelines.errors import LmpressError, require
 
 CARD_FILE = "README.md"
@@ -425,15 +424,7 @@ def write_upload_folder(facts: ArtifactFacts, card: str, out: Path) -> dict[str,
             except OSError:
                 shutil.copy2(source, target)
         (tmp / CARD_FILE).write_text(card)
-    return {str(path.relative_to(out)): {"bytes": path.stat().st_size, "sha256": _sha256(path)} for path in sorted(out.rglob("*")) if path.is_file()}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return {str(path.relative_to(out)): {"bytes": path.stat().st_size, "sha256": file_sha256(path)} for path in sorted(out.rglob("*")) if path.is_file()}
 
 
 def _hub_token() -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.artifact import read_json, write_json
+from pipelines.artifact import file_sha256, read_json, write_json
 from pipelines.errors import require
 from pipelines.models import LoadedModel, load_model, weight_files
 
@@ -196,8 +196,6 @@ def validate(folder: Path, out: Path | None = None) -> dict:
 def validation_failures(report: dict, folder: Path | None = None) -> list[str]:
     """What is wrong with a validation report: a layer above the tolerance, or (given the
     artifact's folder) a bundled kernel source that is not the one validated."""
-    import hashlib
-
     failures = [
         f"{name} is off its torch reference by {max(entry['max_rel_error'].values()):.3g} (tolerance {VALIDATION_TOLERANCE:g})"
         for name, entry in sorted(report.get("layers", {}).items())
@@ -205,7 +203,7 @@ def validation_failures(report: dict, folder: Path | None = None) -> list[str]:
     ]
     for name, kernel in sorted(report.get("kernels", {}).items()) if folder is not None else ():
         source = Path(folder) / kernel["source"]
-        if not source.is_file() or hashlib.sha256(source.read_bytes()).hexdigest() != kernel["sha256"]:
+        if not source.is_file() or file_sha256(source) != kernel["sha256"]:
             failures.append(f"{kernel['source']} is missing or is not the {name} source that was validated")
     return failures
 
