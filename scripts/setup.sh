@@ -32,4 +32,7 @@ if [ ! -f "$CACHE/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
     rm -rf "$CACHE/janeaustenr"
     mv "$CACHE/janeaustenr.partial" "$CACHE/janeaustenr"
 fi
+# Convert the built-in model (GGUF -> safetensors) once, here, rather than in whichever
+# command (or parallel test worker) first asks for it.
+LMPRESS_CACHE="$CACHE" .venv/bin/python -c 'from pipelines.models import resolve_model; resolve_model("smollm2-135m")'
 echo "setup complete: .venv/bin/lmpress is ready" >&2
