@@ -29,29 +29,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from compressors import packed_int  # noqa: E402
 from compressors.kernels import gpu_seconds, l2_overflowing_copies, weight_seconds  # noqa: E402
-from compressors.packed_int import PackedWeight, matmul_reference, matmul_triton  # noqa: E402
+from compressors.packed_int import PackedWeight, matmul_reference, matmul_triton, random_packed_weight  # noqa: E402
+
+
+# the kinds timed here, as (bits, stored kind) of compressors.packed_int.random_packed_weight
+KINDS = {
+    "int4": (4, "symmetric"), "int8": (8, "symmetric"), "int3": (3, "symmetric"), "int4-asym": (4, "asymmetric"),
+    "codebook4": (4, "codebook"), "sparse24-fp16": (16, "2:4 fp16"), "sparse24-int4": (4, "2:4 symmetric"),
+}
 
 
 def random_packed(kind: str, n: int, k: int, device, group: int = 128) -> PackedWeight:
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    from compressors.packed_int import pack_sparse24
-
-    if kind.startswith("sparse24"):  # 2 of every 4 inputs kept, at random
-        keep = (torch.rand(n, k // 4, 4).argsort(dim=2) < 2).reshape(n, k)
-        values, bitmask = pack_sparse24((torch.randn(n, k) / 50).half(), keep)
-        if kind == "sparse24-fp16":
-            return PackedWeight(values, None, 16, k, bitmask=bitmask).to(device)
-        kept = random_packed("int4", n, k // 2, "cpu", group // 2)
-        return PackedWeight(kept.packed, kept.scale, 4, k, bitmask=bitmask).to(device)
-    bits = {"int3": 3, "int8": 8}.get(kind, 4)
-    codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), dtype=torch.int8)
-    packed = pack_to_int32(codes, bits)
-    if kind == "codebook4":
-        return PackedWeight(packed, None, 4, k, codebook=(torch.randn(n, 16) / 50).half()).to(device)
-    scale = (torch.rand(n, k // group) / 50 + 1e-3).half()
-    zero = torch.randint(-2, 2, scale.shape, dtype=torch.int8) if kind == "int4-asym" else None
-    return PackedWeight(packed, scale, bits, k, zero).to(device)
+    bits, stored = KINDS[kind]
+    return random_packed_weight(bits, n, k, None if stored == "codebook" else group, stored).to(device)
 
 
 def copy_bandwidth(device) -> float:

@@ -131,6 +131,12 @@ def select_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
     return next((k for k in KERNELS if k.supports(weight) and self_check(k, device)), None)
 
 
+def serving_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
+    """The kernel a PackedLinear runs `weight` with on `device`; None is the dense path (the
+    CPU, where the dequantized weight is cached, or a weight no kernel takes)."""
+    return select_kernel(weight, device) if device.type == "cuda" else None
+
+
 class PackedLinear(nn.Module):
     """A linear whose weight stays packed: Triton kernel on CUDA, torch reference elsewhere
     (where the dequantized weight is cached: the CPU has no use for the packed form)."""
@@ -150,7 +156,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        kernel = select_kernel(self.weight_packed, flat.device) if flat.device.type == "cuda" else None
+        kernel = serving_kernel(self.weight_packed, flat.device)
         if kernel is not None:
             out = kernel.run(flat, self.weight_packed)
         else:

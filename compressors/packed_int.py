@@ -304,6 +304,31 @@ def unpack_bitmask(bitmask: torch.Tensor, columns: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :columns].bool()
 
 
+def random_packed_weight(bits: int, rows: int, columns: int, group: int | None, kind: str = "symmetric", seed: int = 0) -> PackedWeight:
+    """A random packed weight of any stored kind, for kernel tests and timings (a kernel's
+    speed does not depend on the values). `kind`: symmetric or asymmetric grid with `group`
+    inputs per scale (None or -1: one scale per row), codebook, or "2:4 <kind>": a random
+    2-of-4 mask whose kept half is stored fp16 (bits 16) or on a grid over the kept half."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(seed)
+    if kind.startswith("2:4"):
+        keep = (torch.rand(rows, columns // 4, 4, generator=g).argsort(dim=2) < 2).reshape(rows, columns)
+        values, bitmask = pack_sparse24(torch.randn(rows, columns, generator=g).half(), keep)
+        if bits == 16:
+            return PackedWeight(values, None, 16, columns, bitmask=bitmask)
+        half = None if group in (None, -1) else group // 2
+        kept = random_packed_weight(bits, rows, columns // 2, half, kind.split()[1], seed + 1)
+        return PackedWeight(kept.packed, kept.scale, bits, columns, kept.zero, bitmask=bitmask)
+    codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (rows, columns), generator=g, dtype=torch.int8)
+    if kind == "codebook":
+        return PackedWeight(pack_to_int32(codes, bits), None, bits, columns, codebook=(torch.randn(rows, 1 << bits, generator=g) / 50).half())
+    groups = 1 if group in (None, -1) else columns // group
+    scale = (torch.rand(rows, groups, generator=g) * 0.02 + 0.001).half()
+    zero = torch.randint(-3, 3, scale.shape, generator=g, dtype=torch.int8) if kind == "asymmetric" else None
+    return PackedWeight(pack_to_int32(codes, bits), scale, bits, columns, zero)
+
+
 def dequantize_reference(weight: PackedWeight) -> torch.Tensor:
     """Torch reference: fp32 weights [N, K]."""
     stored = weight.stored_columns

@@ -3,9 +3,9 @@ allocations it is measured against (uniform, and a score-based greedy one).
 
 A *unit* is what gets one level: a linear (bit-width or sparsity) or a whole decoder block
 (kept or dropped). Each unit has its levels ordered from least to most compressed, and each
-level a cost (stored bits per weight, or density); a *genome* gives every unit a level index.
-The budget bounds the genome's total cost, `sum(unit size * level cost)`, dropped blocks'
-linears costing nothing.
+level a cost per weight (stored bits, density, or seconds from a latency model); a *genome*
+gives every unit a level index. The budget bounds the genome's total cost, `sum(unit size *
+level cost)`, dropped blocks' linears costing nothing.
 
 The search is (1 + lambda) evolution (Sieberling et al., EvoPress, 2024): each generation
 makes `offspring` children of the parent by level-switch mutation (one unit one level less
@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipelines.errors import require
+from pipelines.errors import LmpressError, require
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,16 @@ class Unit:
 
 
 def genome_cost(units: list[Unit], genome: list[int]) -> float:
-    """Total cost; a linear in a dropped block costs nothing."""
+    """Total cost; a linear in a dropped block costs nothing (a block unit's own cost is what
+    the block costs besides its linears: nothing in bits, its attention and norms in time)."""
     dropped = {u.block for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"}
-    return sum(u.size * u.costs[level] for u, level in zip(units, genome) if not u.is_block and u.block not in dropped)
+    return sum(u.size * u.costs[level] for u, level in zip(units, genome) if u.is_block or u.block not in dropped)
+
+
+def cheapest_genome(units: list[Unit]) -> list[int]:
+    """Every unit at its cheapest level (the most compressed of equally cheap ones); costs need
+    not fall with compression (a latency model: a 3-bit kernel may be slower than a 4-bit one)."""
+    return [max(range(len(u.levels)), key=lambda level, u=u: (-u.costs[level], level)) for u in units]
 
 
 def within(cost: float, budget: float) -> bool:
@@ -48,14 +55,10 @@ def within(cost: float, budget: float) -> bool:
     return cost <= budget * (1 + 1e-9)
 
 
-def check_budget(units: list[Unit], budget: float, what: str) -> None:
-    """The budget must lie between the most and the least compressed genomes' costs."""
-    lowest = genome_cost(units, [len(u.levels) - 1 for u in units])
-    require(
-        within(lowest, budget),
-        f"no assignment of the database's levels meets the budget {what}: the most compressed one costs "
-        f"{lowest / sum(u.size for u in units if not u.is_block):.4g} per weight; raise the budget or build the database with more compressed levels",
-    )
+def check_budget(units: list[Unit], budget: float, what: str, describe: Callable[[float], str], fix: str) -> None:
+    """Some genome must meet the budget: the cheapest one. `describe(cost)` words a cost."""
+    lowest = genome_cost(units, cheapest_genome(units))
+    require(within(lowest, budget), f"no assignment of the database's levels meets the budget {what}: the cheapest one costs {describe(lowest)}; {fix}")
 
 
 def uniform_genome(units: list[Unit], budget: float) -> list[int]:
@@ -74,7 +77,8 @@ def uniform_genome(units: list[Unit], budget: float) -> list[int]:
             genome[i] = step[i]
             if within(genome_cost(units, genome), budget):
                 return genome
-    raise AssertionError("check_budget admits the most compressed genome")
+    # only where costs do not fall with compression, or only dropping blocks meets the budget
+    raise LmpressError("no single level for every linear (blocks kept) meets the budget; start from --start sensitivity")
 
 
 def _next_steps(unit: Unit, level: int) -> list[int]:
@@ -101,8 +105,9 @@ def greedy_genome(units: list[Unit], budget: float, error: Callable[[int, int], 
             if u.block in dropped:
                 continue
             for step in _next_steps(u, genome[i]):
-                if u.is_block:  # dropping saves what its linears cost now
-                    saving = sum(v.size * v.costs[genome[j]] for j, v in enumerate(units) if not v.is_block and v.block == u.block)
+                if u.is_block:  # dropping saves what its linears cost now, and its own cost
+                    saving = u.size * (u.costs[genome[i]] - u.costs[step])
+                    saving += sum(v.size * v.costs[genome[j]] for j, v in enumerate(units) if not v.is_block and v.block == u.block)
                 else:
                     saving = u.size * (u.costs[genome[i]] - u.costs[step])
                 if saving <= 0:

@@ -226,6 +226,30 @@ def levels(
 
 
 @app.command()
+def latency(
+    out: Path = typer.Option(..., "--out", "-o", help="The latency table (JSON) to write."),
+    levels: Path = typer.Option(..., "--levels", help="Level database from `lmpress levels`: its levels are timed."),
+    model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
+    batch: int = typer.Option(1, help="Sequences decoded together."),
+    context: int = typer.Option(256, help="Tokens already in the KV cache."),
+    repeats: int = typer.Option(30, help="Timed calls per measurement (the median is kept)."),
+    device: str = typer.Option("auto", help="auto (a CUDA GPU if there is one), cpu or cuda."),
+):
+    """Measure a decode step's parts on this device (each linear shape at each level, as lmpress serves it): the model `search --budget-latency` counts in."""
+    from pipelines.latency import LatencyConfig, measure_latency
+
+    path = measure_latency(model, levels, out, LatencyConfig(batch=batch, context=context, repeats=repeats, device=device))
+    table = json.loads(path.read_text())
+    check = table["check"]
+    out_console.print(
+        f"latency table written to {path}: decode step {table['step_s'] * 1e3:.2f} ms on {table['device']} "
+        f"({table['outside_s'] * 1e3:.2f} ms outside the blocks, {table['block_rest_s'] * 1e3:.3f} ms per block besides its linears); "
+        f"check, {check['blocks_kept']} blocks at {check['level']}: predicted {check['predicted_s'] * 1e3:.2f} ms, measured {check['measured_s'] * 1e3:.2f} ms",
+        markup=False, highlight=False,
+    )
+
+
+@app.command()
 def search(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the plan and report; replaced only when complete."),
     levels: Path = typer.Option(..., "--levels", help="Level database from `lmpress levels`."),
@@ -233,6 +257,8 @@ def search(
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
     budget_bits: float = typer.Option(0.0, "--budget-bits", help="Average stored bits per weight over the decoder linears: codes, fp16 scales and 2:4 masks (3-bit codes at group size 64: 3.25)."),
     target_sparsity: float = typer.Option(0.0, "--target-sparsity", help="Average sparsity over the decoder linears."),
+    budget_latency: float = typer.Option(0.0, "--budget-latency", help="Decode step time as a fraction of the base's (e.g. 0.8), by the --latency table."),
+    latency: Optional[Path] = typer.Option(None, "--latency", help="Latency table from `lmpress latency`: the model --budget-latency counts in; with another budget, the predicted step is reported."),
     drop: Switch = typer.Option(Switch.false, "--drop", help="Also choose whole blocks to drop (their weights cost nothing)."),
     sparse24: Switch = typer.Option(Switch.false, "--sparse24", help="With --budget-bits: also choose 2:4 sparsity on/off per linear (a database built with --sparse24 true)."),
     generations: int = typer.Option(50, help="Generations of (1 + offspring) evolution."),
@@ -246,7 +272,8 @@ def search(
     """Evolutionary search (EvoPress) for per-layer levels within a budget; writes plan.yaml for quantize/prune --overrides."""
     from pipelines.levels import SearchConfig, search as run
 
-    config = SearchConfig(budget_bits=budget_bits, target_sparsity=target_sparsity, drop=bool(drop), sparse24=bool(sparse24), generations=generations,
+    config = SearchConfig(budget_bits=budget_bits, target_sparsity=target_sparsity, budget_latency=budget_latency, latency=str(latency or ""),
+                          drop=bool(drop), sparse24=bool(sparse24), generations=generations,
                           offspring=offspring, selection=selection, seq_len=seq_len, batch_size=batch_size, seed=seed, start=start)
     path = run(model, levels, calibration, out, config)
     report = json.loads((path / "search.json").read_text())
@@ -255,6 +282,9 @@ def search(
         f"plan written to {path / 'plan.yaml'}: calibration KL {fitness['start']:.4f} ({report['start']} start) -> {fitness['searched']:.4f} "
         f"after {report['evaluations']} evaluations in {report['search_s']} s", markup=False, highlight=False,
     )
+    if "latency" in report:
+        step = report["latency"]
+        out_console.print(f"predicted decode step on {step['device']}: {step['searched_step_ms']:.2f} ms (base {step['base_step_ms']:.2f} ms)", markup=False, highlight=False)
 
 
 @app.command("kv-merge")

@@ -36,9 +36,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from compressors.search import STARTS, SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
-from pipelines.artifact import ResumeFolder, atomic_directory, inputs_key, read_json, write_json, write_lineage
+from pipelines.artifact import ResumeFolder, atomic_directory, file_sha256, inputs_key, read_json, write_json, write_lineage
 from pipelines.errors import require
 from pipelines.evaluation import LMHead, score_windows
+from pipelines.latency import LatencyTable
 from pipelines.models import architecture_of, decoder_layers, layer_linears
 from pipelines.progress import progress_bar
 from pipelines.stages import begin_stage, calibration_record, number_list, planned_linears, require_positive
@@ -291,6 +292,8 @@ class KLFitness:
 class SearchConfig:
     budget_bits: float = 0.0  # average stored bits per weight over the decoder linears (codes, scales, 2:4 masks)
     target_sparsity: float = 0.0  # average sparsity over the decoder linears (sparsity levels)
+    budget_latency: float = 0.0  # decode step time as a fraction of the base's, by the latency table
+    latency: str = ""  # latency table from `lmpress latency`: the budget_latency model; with another budget, reported
     drop: bool = False  # also choose blocks to drop (a dropped block's weights cost nothing)
     sparse24: bool = False  # bits: also choose 2:4 sparsity on/off per linear (the database's 2:4 levels)
     generations: int = 50
@@ -302,19 +305,53 @@ class SearchConfig:
     start: str = "uniform"  # uniform | sensitivity: the first parent
 
     @property
-    def kind(self) -> str:
-        return "bits" if self.budget_bits else "sparsity"
+    def budget(self) -> str:
+        return "bits" if self.budget_bits else "sparsity" if self.target_sparsity else "latency"
+
+    def kind(self, database: "LevelDatabase") -> str:
+        """The levels the genome takes: bits or sparsity (under a latency budget: bits where
+        the database has them)."""
+        if self.budget == "latency":
+            return "bits" if database.config.bit_levels else "sparsity"
+        return self.budget
 
     def validate(self) -> None:
         require(
-            bool(self.budget_bits) != bool(self.target_sparsity),
-            "give exactly one budget: --budget-bits (average bits per weight) or --target-sparsity (average sparsity)",
+            sum(map(bool, (self.budget_bits, self.target_sparsity, self.budget_latency))) == 1,
+            "give exactly one budget: --budget-bits (average bits per weight), --target-sparsity (average sparsity) "
+            "or --budget-latency (fraction of the base's decode step)",
         )
-        require(self.budget_bits >= 0 and 0 <= self.target_sparsity < 1, "the budget must be positive bits, or a sparsity in (0, 1)")
-        require(not self.sparse24 or self.kind == "bits", "--sparse24 chooses 2:4 on/off under a --budget-bits budget; for unstructured sparsity use --target-sparsity alone")
+        require(
+            self.budget_bits >= 0 and 0 <= self.target_sparsity < 1 and 0 <= self.budget_latency <= 1,
+            "the budget must be positive bits, a sparsity in (0, 1) or a latency fraction in (0, 1]",
+        )
+        require(not self.budget_latency or bool(self.latency), "--budget-latency needs --latency, a table from `lmpress latency`")
+        require(not self.sparse24 or self.budget != "sparsity", "--sparse24 chooses 2:4 on/off among bits levels; for unstructured sparsity use --target-sparsity alone")
         require_positive(generations=self.generations, offspring=self.offspring, seq_len=self.seq_len, batch_size=self.batch_size)
         parse_selection(self.selection)
         require(self.start in STARTS, f"--start must be one of {', '.join(STARTS)} (got '{self.start}')")
+
+
+def _budgeted_units(config: SearchConfig, database: LevelDatabase, chain: list[dict]) -> tuple[list[Unit], float, LatencyTable | None]:
+    """The units with their costs in the budget's currency (stored bits or density per weight,
+    or seconds per weight from the latency table), the budget in it, and the table if given."""
+    units = database.units(config.kind(database), config.drop, config.sparse24)
+    latency = LatencyTable(Path(config.latency)) if config.latency else None
+    if latency is not None:
+        latency.check(chain, database)
+    if config.budget == "latency":
+        units, base_step = latency.costed(units, database), latency.base_step(database)
+        fixed = latency.fixed_seconds(units)
+        budget = config.budget_latency * base_step - fixed
+        check_budget(units, budget, f"of {config.budget_latency} of the base's decode step",
+                     lambda cost: f"{(cost + fixed) / base_step:.4g} of it on {latency.device}",
+                     "raise the budget" + ("" if config.drop else ", or let the search drop blocks (--drop true)"))
+        return units, budget, latency
+    weights = sum(u.size for u in units if not u.is_block)
+    budget = (config.budget_bits if config.budget == "bits" else 1 - config.target_sparsity) * weights
+    check_budget(units, budget, f"{config.budget_bits} bits" if config.budget == "bits" else f"sparsity {config.target_sparsity}",
+                 lambda cost: f"{cost / weights:.4g} per weight", "raise the budget or build the database with more compressed levels")
+    return units, budget, latency
 
 
 def search(model: str, levels: Path, calibration: Path, out: Path, config: SearchConfig) -> Path:
@@ -325,17 +362,16 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     database = LevelDatabase(levels)
     run, loaded, chain, calib = begin_stage(model, calibration, out, "search", True)
     database.check_model(chain)
-    units = database.units(config.kind, config.drop, config.sparse24)
+    units, budget, latency = _budgeted_units(config, database, chain)
     linear_weights = sum(u.size for u in units if not u.is_block)
-    budget = (config.budget_bits if config.kind == "bits" else 1 - config.target_sparsity) * linear_weights
-    check_budget(units, budget, f"{config.budget_bits} bits" if config.kind == "bits" else f"sparsity {config.target_sparsity}")
     selection = parse_selection(config.selection)
     windows = calib.spread_samples(selection[-1][0])[:, : config.seq_len]
     require(windows.shape[0] >= selection[-1][0], f"the calibration artifact holds {windows.shape[0]} windows; the selection needs {selection[-1][0]}")
     loaded.model.eval()
     candidates = Candidates(loaded, database, units)
     fitness = KLFitness(candidates, windows, config.batch_size)
-    resume = ResumeFolder(out, inputs_key(database.manifest, calib.manifest["data_sha256"], asdict(config), chain[0]["weights_sha256"]))
+    resume = ResumeFolder(out, inputs_key(database.manifest, calib.manifest["data_sha256"], asdict(config), chain[0]["weights_sha256"],
+                                          latency.table if latency else None))
     state_file = resume.file("state.json")
     if state_file.is_file():
         saved = json.loads(state_file.read_text())
@@ -352,25 +388,33 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
         temporary.replace(state_file)
         advance()
 
-    with progress_bar(f"search ({config.kind})", config.generations) as advance:
+    with progress_bar(f"search ({config.budget})", config.generations) as advance:
         advance(state.generation)
         state = evolve(units, budget, fitness, config.generations, config.offspring, selection, state, on_generation=checkpoint)
     candidates.restore()
     report = {
-        "kind": config.kind, "drop": config.drop, "start": config.start, "budget_per_weight": budget / linear_weights,
-        "cost_per_weight": genome_cost(units, state.parent) / linear_weights, "units": len(units),
+        "kind": config.kind(database), "budget": config.budget, "drop": config.drop, "start": config.start,
+        **({"budget_per_weight": budget / linear_weights, "cost_per_weight": genome_cost(units, state.parent) / linear_weights}
+           if config.budget != "latency" else {}),  # seconds per weight mean nothing; see "latency"
+        "units": len(units),
         "levels": sorted({level for u in units for level in u.levels}), "generations": state.generation,
         "evaluations": state.evaluations, "search_s": round(time.perf_counter() - start, 1),
         "fitness": {"start": start_fitness, "searched": state.parent_fitness, "windows": selection[-1][0], "seq_len": config.seq_len},
         "dropped_blocks": [u.block for u, level in zip(units, state.parent) if u.is_block and u.levels[level] == "drop"],
         "assemble": assembly_command(units, state.parent, database.config),
     }
+    if latency is not None:  # the decode step the table predicts
+        base_step = latency.base_step(database)
+        report["latency"] = {"device": latency.device, "base_step_ms": 1e3 * base_step, "searched_step_ms": 1e3 * latency.step(units, state.parent, database)}
+        if config.budget == "latency":
+            report["latency"]["budget_step_ms"] = 1e3 * config.budget_latency * base_step
     with atomic_directory(out) as tmp:
         (tmp / PLAN_FILE).write_text(plan_yaml(units, state.parent, database.manifest["layer_prefix"]))
         write_json(tmp / SEARCH_REPORT, report)
         lines = ["generation,fitness,evaluations"] + [f"{h['generation']},{h['fitness']:.6f},{h['evaluations']}" for h in state.history]
         (tmp / HISTORY_FILE).write_text("\n".join(lines) + "\n")
-        write_lineage(tmp, chain, {"stage": "search", "params": asdict(config), "levels": database.manifest["params"], **calibration_record(calib)}, run)
+        timing = {"latency_table": {"device": latency.device, "sha256": file_sha256(latency.path)}} if latency else {}
+        write_lineage(tmp, chain, {"stage": "search", "params": asdict(config), "levels": database.manifest["params"], **timing, **calibration_record(calib)}, run)
     resume.remove()
     return Path(out)
 

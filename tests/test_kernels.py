@@ -10,6 +10,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 from compressors.kernels import KERNELS, PackedLinear, select_kernel, self_check
 from compressors.packed_int import PackedWeight, dequantize_reference, pack_sparse24, unpack_bitmask, dequantize_triton, matmul_reference, matmul_triton
+from compressors.packed_int import random_packed_weight as random_packed
 from conftest import run_cli
 
 # The interpreter here; with TRITON_INTERPRET=0 on a CUDA machine the same tests run the
@@ -19,25 +20,6 @@ DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "c
 
 def packed(bits, rows, columns, group, kind="symmetric", seed=0):
     return random_packed(bits, rows, columns, group, kind, seed).to(DEVICE)
-
-
-def random_packed(bits, rows, columns, group, kind="symmetric", seed=0):
-    """A random packed weight: `kind` symmetric or asymmetric grid (group scales), codebook, or
-    "2:4 <kind>": a random 2-of-4 mask whose kept half is stored fp16 (bits 16) or on a grid."""
-    g = torch.Generator().manual_seed(seed)
-    if kind.startswith("2:4"):
-        keep = (torch.rand(rows, columns // 4, 4, generator=g).argsort(dim=2) < 2).reshape(rows, columns)
-        values, bitmask = pack_sparse24(torch.randn(rows, columns, generator=g).half(), keep)
-        if bits == 16:
-            return PackedWeight(values, None, 16, columns, bitmask=bitmask)
-        kept = random_packed(bits, rows, columns // 2, group // 2, kind.split()[1], seed + 1)  # the grid over the stored half
-        return PackedWeight(kept.packed, kept.scale, bits, columns, kept.zero, bitmask=bitmask)
-    codes = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (rows, columns), generator=g, dtype=torch.int8)
-    if kind == "codebook":
-        return PackedWeight(pack_to_int32(codes, bits), None, bits, columns, codebook=(torch.randn(rows, 1 << bits, generator=g) / 50).half())
-    scale = (torch.rand(rows, columns // group, generator=g) * 0.02 + 0.001).half()
-    zero = torch.randint(-3, 3, scale.shape, generator=g, dtype=torch.int8) if kind == "asymmetric" else None
-    return PackedWeight(pack_to_int32(codes, bits), scale, bits, columns, zero)
 
 
 SHAPES = [  # bits, N, K, group, decode: K off the 64-column block, per-channel, one output row, 3-bit codes straddling words

@@ -35,8 +35,41 @@ def test_allocations_and_mutations_stay_within_budget():
             genome = mutate(units, genome, budget, rng)
             assert genome_cost(units, genome) <= budget
     assert uniform_genome(units, 3.0 * total) == [2] * len(units)  # exactly the 3-bit level
-    with pytest.raises(LmpressError, match="no assignment"):
-        check_budget(units, 1.9 * total, "1.9 bits")
+    with pytest.raises(LmpressError, match="no assignment.*cheapest one costs 2 per weight; raise it"):
+        check_budget(units, 1.9 * total, "1.9 bits", lambda cost: f"{cost / total:g} per weight", "raise it")
+
+
+def test_latency_costs_need_not_fall_with_compression():
+    """A latency model prices levels by kernel time, which need not fall as bits do (a 3-bit
+    kernel slower than the 4-bit one), and a block costs its attention and norms besides its
+    linears: the cheapest genome, the budget check, the score-based allocation and the
+    mutations all work on such costs, and only dropping blocks meets a budget below every
+    level's time."""
+    from compressors.search import cheapest_genome
+
+    levels, seconds = ("bits8", "bits4", "bits3", "bits2"), (2.0, 1.0, 3.0, 0.9)  # per weight: bits3 the slowest
+    linears = [Unit(f"b{b}.l{i}", 10, levels, seconds, b) for b in range(3) for i in range(2)]
+    blocks = [Unit(f"b{b}", 20, ("keep", "drop"), (0.5, 0.0), b, is_block=True) for b in range(3)]
+    units = linears + blocks
+    assert cheapest_genome(units) == [3] * 6 + [1] * 3
+    assert cheapest_genome(linears) == [3] * 6 and genome_cost(linears, cheapest_genome(linears)) == pytest.approx(6 * 9.0)
+    everything = genome_cost(units, [0] * 9)
+    assert everything == pytest.approx(6 * 20 + 3 * 10)  # linears at bits8, plus each kept block's rest
+    penalty = {0: 0.0, 1: 1.0, 2: 0.5, 3: 5.0}
+    error = lambda i, level: 100.0 if units[i].is_block and level == 1 else (0.0 if units[i].is_block else penalty[level])  # noqa: E731
+    budget = 0.6 * everything  # needs bits4 nearly everywhere; bits3 is never a saving over bits4
+    greedy = greedy_genome(units, budget, error)
+    assert genome_cost(units, greedy) <= budget and 2 not in greedy[:6] and greedy[6:] == [0, 0, 0]
+    rng = random.Random(0)
+    genome = greedy
+    for _ in range(200):
+        genome = mutate(units, genome, budget, rng)
+        assert genome_cost(units, genome) <= budget * (1 + 1e-9)
+    below_every_level = 0.9 * genome_cost(units, cheapest_genome(linears) + [0, 0, 0])
+    dropping = greedy_genome(units, below_every_level, error)
+    assert genome_cost(units, dropping) <= below_every_level and 1 in dropping[6:]
+    with pytest.raises(LmpressError, match="no single level for every linear"):
+        uniform_genome(units, below_every_level)
 
 
 def test_evolution_beats_uniform_and_is_reproducible_and_resumable():
@@ -263,3 +296,45 @@ def test_greedy_steps_over_levels_of_equal_cost():
     assert [levels[level] for level in genome] == ["b3"] * 4
     genome = greedy_genome(units, 2.75 * 400, lambda i, level: error[levels[level]])
     assert sorted(levels[level] for level in genome) == ["b2", "b2", "b3", "b3"]
+
+
+def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup):
+    """`lmpress latency` times every linear shape at every level as lmpress serves it here (the
+    CPU: a cached dense copy, so each level costs what dense does) and a decode step's other
+    parts; `search --budget-latency` keeps the predicted step within the budget, which here only
+    dropping blocks can buy; bad input fails in one line."""
+    import json
+
+    model, calibration, levels = tiny_setup
+    table_file = tmp_path / "latency.json"
+    result = run_cli("latency", "--model", model, "--levels", levels, "--context", "32", "--repeats", "5", "--out", table_file)
+    assert result.returncode == 0, result.stderr
+    table = json.loads(table_file.read_text())
+    assert table["device"] == "cpu" and set(table["linears"]) == {"64x64", "32x64", "96x64", "64x96"}
+    for shape, times in table["linears"].items():
+        assert set(times) == {"dense", *table["levels"]} and len(set(times.values())) == 1  # one serving path
+        assert set(table["paths"][shape].values()) == {"dense"}
+    assert table["step_s"] > table["outside_s"] > 0 and table["block_rest_s"] >= 0 and table["check"]["blocks_kept"] == 2
+
+    searched = tmp_path / "searched"
+    result = run_cli(*search_args(tiny_setup, searched, "--budget-latency", "0.95", "--latency", table_file, "--drop", "true", "--start", "sensitivity"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((searched / "search.json").read_text())
+    assert report["budget"] == "latency" and report["kind"] == "bits" and report["dropped_blocks"]
+    assert report["latency"]["searched_step_ms"] <= report["latency"]["budget_step_ms"] * (1 + 1e-9)
+    assert "predicted decode step on cpu" in result.stdout
+
+    for extra, message in [
+        (("--budget-latency", "0.95", "--latency", table_file), "let the search drop blocks (--drop true)"),
+        (("--budget-latency", "0.95"), "--budget-latency needs --latency"),
+        (("--budget-latency", "0.95", "--latency", tmp_path / "none.json", "--drop", "true"), "does not exist; measure it with `lmpress latency`"),
+    ]:
+        result = run_cli(*search_args(tiny_setup, tmp_path / "refused", *extra))
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**table, "base": {**table["base"], "weights_sha256": "0" * 64, "model": "another"}}))
+    result = run_cli(*search_args(tiny_setup, tmp_path / "refused", "--budget-latency", "0.95", "--latency", other, "--drop", "true"))
+    assert result.returncode == 2 and "was measured on another, not this model" in result.stderr
+    result = run_cli("latency", "--model", model, "--levels", levels, "--context", "500", "--out", tmp_path / "long.json")
+    assert result.returncode == 2 and "--context 500 leaves no room" in result.stderr
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "long.json").exists()

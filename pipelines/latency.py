@@ -1,0 +1,333 @@
+"""The latency model the search can budget: what one decode step costs on a device, split into
+the parts a plan changes, each measured there once (`lmpress latency`).
+
+A decode step (one new token per sequence, `context` tokens already in the KV cache) costs
+
+    outside + sum over kept blocks of (block_rest + sum of its linears at their levels)
+
+where `outside` is everything but the decoder blocks (embedding, final norm, LM head),
+`block_rest` what a block costs besides its linears (attention over the cache, norms, rotary,
+residuals), and each linear's time is that of one call at its level as lmpress serves it: the
+level's packed kernel on a GPU, a cached dense copy on the CPU (where every level therefore
+costs what the dense weight does, and only dropping blocks buys time). The model is additive
+by assumption; the table carries a check of it: a model with every other block dropped and
+the rest at the database's most compressed level, predicted and measured.
+
+latency.json:
+    base                    the model it was measured on (as lineage records it)
+    device, dtype, threads, batch, context, repeats
+    step_s                  one decode step of the base model, measured
+    outside_s, block_rest_s
+    linears                 {"<out>x<in>": {"dense": s, "<level>": s, ...}}
+    paths                   {"<out>x<in>": {"<level>": serving path}}: a kernel, or "dense"
+    check                   {"predicted_s", "measured_s", "blocks_kept", "level"}
+Times are medians of `repeats` timed calls after a warm-up, wall clock (on a GPU after a
+synchronize: eager serving, launch overhead included, as `lmpress generate` runs). Linears are
+timed round-robin over copies that overflow the device's last-level cache, so their weights
+come from memory as they do in a model.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from compressors.search import Unit
+from pipelines.artifact import read_json, write_json
+from pipelines.errors import require
+
+LATENCY_FORMAT = "lmpress-latency"
+LATENCY_VERSION = 1
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class LatencyConfig:
+    batch: int = 1  # sequences decoded together
+    context: int = 256  # tokens already in the KV cache
+    repeats: int = 30  # timed calls per measurement (the median is kept)
+    device: str = "auto"  # auto (cuda if there is one) | cpu | cuda
+
+    def validate(self) -> None:
+        from pipelines.stages import require_positive
+
+        require_positive(batch=self.batch, context=self.context, repeats=self.repeats)
+        require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)} (got '{self.device}')")
+        require(self.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA GPU is visible here; use --device cpu")
+
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda" if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def median_seconds(call: Callable[[], object], device: torch.device, repeats: int, before: Callable[[], object] | None = None) -> float:
+    """Median wall seconds of `call()` after a warm-up; `before()` runs untimed ahead of each."""
+    for _ in range(2):  # compile, autotune, fill caches and allocators
+        if before is not None:
+            before()
+        call()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cache_bytes(device: torch.device) -> int:
+    """The last-level cache a weight must overflow to be read from memory."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        text = (index / "size").read_text().strip() if (index / "size").is_file() else ""
+        if text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1))
+    return max(sizes, default=32 << 20)
+
+
+def linear_seconds(make: Callable[[], nn.Module], x: torch.Tensor, nbytes: int, repeats: int) -> float:
+    """Seconds of one call of the module `make()` builds, its weight read from memory: timed
+    round-robin over enough copies to fill three times the last-level cache."""
+    copies = [make() for _ in range(max(2, min(256, -(-3 * _cache_bytes(x.device) // max(nbytes, 1)))))]
+
+    def call():
+        for module in copies:
+            module(x)
+
+    return median_seconds(call, x.device, repeats) / len(copies)
+
+
+@torch.no_grad()
+def decode_step_seconds(model: nn.Module, config: LatencyConfig, device: torch.device) -> float:
+    """One decode step at `batch` x 1 new token after `context` cached tokens; the cache is
+    cut back to `context` (untimed) before each step."""
+    from transformers import DynamicCache
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (config.batch, config.context + 1), generator=generator).to(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, : config.context], past_key_values=cache, use_cache=True)
+    position = torch.full((config.batch, 1), config.context, device=device)
+    grown = [False]
+
+    def step():
+        model(input_ids=ids[:, config.context :], past_key_values=cache, use_cache=True, position_ids=position)
+        grown[0] = True
+
+    def cut():
+        if grown[0]:
+            cache.crop(-1)
+            grown[0] = False
+
+    return median_seconds(step, device, config.repeats, before=cut)
+
+
+# --------------------------------------------------------------------------- serving modules
+
+
+def serving_module(level: str, rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, str]:
+    """A linear of this shape as lmpress serves it at `level` (random weights: speed does not
+    depend on them), and the path it runs: a kernel, or "dense"."""
+    from compressors.kernels import PackedLinear, serving_kernel
+    from compressors.packed_int import random_packed_weight
+    from pipelines.levels import parse_quantized_level
+
+    if level.startswith("bits"):
+        bits, group_size, sparse24 = parse_quantized_level(level)
+        weight = random_packed_weight(bits, rows, columns, group_size, "2:4 symmetric" if sparse24 else "symmetric").to(device)
+        kernel = serving_kernel(weight, device)
+        module = PackedLinear(weight, None).to(device)
+        return module, "dense" if kernel is None else f"{kernel.name} ({weight.kind}, {bits}-bit, group {group_size})"
+    # dense, and unstructured sparsity: no kernel skips scattered zeros, so it is served dense
+    return nn.Linear(columns, rows, bias=False, device=device, dtype=dtype), "dense"
+
+
+def _shape(rows: int, columns: int) -> str:
+    return f"{rows}x{columns}"
+
+
+def _linear_table(shapes: list[tuple[int, int]], levels: list[str], config: LatencyConfig, dtype, device) -> tuple[dict, dict]:
+    """Seconds of each shape at "dense" and each level, one measurement per serving path."""
+    times, paths = {}, {}
+    for rows, columns in shapes:
+        x = torch.randn(config.batch, columns, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        by_path: dict[str, float] = {}
+        key = _shape(rows, columns)
+        times[key], paths[key] = {}, {}
+        for level in ("dense", *levels):
+            module, path = serving_module(level, rows, columns, dtype, device)
+            if path not in by_path:
+                # what a call reads: the dense weight (the CPU serves packed levels from a dense copy) or the packed one
+                packed = (*module.parameters(), *module.buffers()) if path != "dense" else ()
+                nbytes = sum(t.numel() * t.element_size() for t in packed) or rows * columns * torch.finfo(dtype).bits // 8
+                by_path[path] = linear_seconds(lambda level=level: serving_module(level, rows, columns, dtype, device)[0], x, nbytes, config.repeats)
+            times[key][level], paths[key][level] = by_path[path], path
+    return times, paths
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def measure_latency(model: str, levels: Path, out: Path, config: LatencyConfig) -> Path:
+    """Measure the latency table for the model and the level database's levels; see above."""
+    from pipelines.levels import LevelDatabase
+    from pipelines.models import load_model
+    from pipelines.stages import model_chain
+
+    config.validate()
+    out = Path(out)
+    require(not out.is_dir(), f"output path {out} is a directory; pass a file path such as latency.json")
+    database = LevelDatabase(levels)
+    loaded = load_model(model)
+    chain = model_chain(model, loaded.folder, loaded.config)
+    database.check_model(chain)
+    longest = getattr(loaded.config, "max_position_embeddings", None)
+    require(longest is None or config.context < longest, f"--context {config.context} leaves no room for a new token in the model's {longest} positions; lower it")
+    device = config.torch_device()
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    network = loaded.model.to(device, dtype)
+    level_names = database.config.quantized_levels + [f"sparsity{s:g}" for s in database.config.sparsity_levels]
+    units = database.manifest["units"]
+    shapes = sorted({(u["size"] // u["in_features"], u["in_features"]) for u in units})
+    blocks = database.manifest["layers"]
+
+    step = decode_step_seconds(network, config, device)
+    with _blocks_kept(network, []):
+        outside = decode_step_seconds(network, config, device)
+    linears, paths = _linear_table(shapes, level_names, config, dtype, device)
+    shape_of = {u["name"]: _shape(u["size"] // u["in_features"], u["in_features"]) for u in units}
+    dense = sum(linears[shape]["dense"] for shape in shape_of.values())
+    rest = max(0.0, (step - outside - dense) / blocks)
+
+    # the additivity check: every other block dropped, the kept ones' linears at the most compressed level
+    level = level_names[-1] if level_names else "dense"
+    kept = list(range(0, blocks, 2))
+    in_kept = [u for u in units if u["block"] in kept]
+    predicted = outside + len(kept) * rest + sum(linears[shape_of[u["name"]]][level] for u in in_kept)
+    swapped = {u["name"]: serving_module(level, *map(int, shape_of[u["name"]].split("x")), dtype, device)[0] for u in in_kept}
+    with _linears_swapped(network, swapped), _blocks_kept(network, kept):
+        measured = decode_step_seconds(network, config, device)
+
+    table = {
+        "format": LATENCY_FORMAT, "version": LATENCY_VERSION, "base": chain[0], "params": asdict(config),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "levels": level_names, "blocks": blocks,
+        "step_s": step, "outside_s": outside, "block_rest_s": rest, "linears": linears, "paths": paths,
+        "check": {"level": level, "blocks_kept": len(kept), "predicted_s": predicted, "measured_s": measured},
+    }
+    write_json(out, table)
+    return out
+
+
+class _blocks_kept:
+    """Within the block, the model runs only the decoder blocks `kept` (they keep their cache
+    index, as the search's candidates do)."""
+
+    def __init__(self, model: nn.Module, kept: list[int]):
+        from pipelines.models import architecture_of, decoder_layers
+
+        self.owner, self.attribute = architecture_of(model.config).layers.rsplit(".", 1)
+        self.model, self.kept, self.all = model, kept, decoder_layers(model)
+
+    def __enter__(self):
+        kept = nn.ModuleList([layer for index, layer in enumerate(self.all) if index in self.kept])
+        setattr(self.model.get_submodule(self.owner), self.attribute, kept)
+
+    def __exit__(self, *exc):
+        setattr(self.model.get_submodule(self.owner), self.attribute, self.all)
+
+
+class _linears_swapped:
+    """Within the block, the named linears are replaced by the given modules."""
+
+    def __init__(self, model: nn.Module, modules: dict[str, nn.Module]):
+        self.model, self.modules = model, modules
+        self.originals = {name: model.get_submodule(name) for name in modules}
+
+    def _set(self, modules: dict[str, nn.Module]) -> None:
+        for name, module in modules.items():
+            parent, child = name.rsplit(".", 1)
+            setattr(self.model.get_submodule(parent), child, module)
+
+    def __enter__(self):
+        self._set(self.modules)
+
+    def __exit__(self, *exc):
+        self._set(self.originals)
+
+
+# --------------------------------------------------------------------------- the search's side
+
+
+class LatencyTable:
+    """Read side: unit costs in seconds and predicted decode steps."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        require(self.path.is_file(), f"latency table {self.path} does not exist; measure it with `lmpress latency`")
+        self.table = read_json(self.path, "measure it again with `lmpress latency`")
+        require(
+            self.table.get("format") == LATENCY_FORMAT and self.table.get("version") == LATENCY_VERSION,
+            f"{self.path} is not an lmpress latency table of version {LATENCY_VERSION}; measure it with `lmpress latency`",
+        )
+
+    def check(self, chain: list[dict], database) -> None:
+        """Measured on this base model, for every shape and level of the database."""
+        require(
+            self.table["base"]["weights_sha256"] == chain[0]["weights_sha256"],
+            f"latency table {self.path} was measured on {self.table['base']['model']}, not this model; "
+            "measure it with `lmpress latency --model` for the model you search",
+        )
+        missing = sorted(set(database.config.quantized_levels + [f"sparsity{s:g}" for s in database.config.sparsity_levels]) - set(self.table["levels"]))
+        require(not missing, f"latency table {self.path} has no times for level(s) {', '.join(missing)}; measure it again with this --levels database")
+
+    @property
+    def device(self) -> str:
+        return self.table["device"]
+
+    def costed(self, units: list[Unit], database) -> list[Unit]:
+        """The units with costs per weight in seconds: a linear's time at each level over its
+        size; a block keeps (its rest) or drops (nothing)."""
+        shape_of = {u["name"]: _shape(u["size"] // u["in_features"], u["in_features"]) for u in database.manifest["units"]}
+        costed = []
+        for unit in units:
+            if unit.is_block:
+                costs = (self.table["block_rest_s"] / unit.size, 0.0)
+            else:
+                costs = tuple(self.table["linears"][shape_of[unit.name]][level] / unit.size for level in unit.levels)
+            costed.append(Unit(unit.name, unit.size, unit.levels, costs, unit.block, unit.is_block))
+        return costed
+
+    def step(self, units: list[Unit], genome: list[int], database) -> float:
+        """The decode step the table predicts for a genome of `units` (costed or not)."""
+        from compressors.search import genome_cost
+
+        costed = self.costed(units, database)
+        return self.fixed_seconds(costed) + genome_cost(costed, genome)
+
+    def fixed_seconds(self, units: list[Unit]) -> float:
+        """What no genome of these units changes: outside the blocks, and the blocks' rest when
+        blocks cannot be dropped."""
+        blocks = 0 if any(u.is_block for u in units) else self.table["blocks"]
+        return self.table["outside_s"] + blocks * self.table["block_rest_s"]
+
+    def base_step(self, database) -> float:
+        """The base model's step as the table predicts it (its measured step, up to a negative
+        rest clipped to 0)."""
+        shape_of = [_shape(u["size"] // u["in_features"], u["in_features"]) for u in database.manifest["units"]]
+        return self.table["outside_s"] + self.table["blocks"] * self.table["block_rest_s"] + sum(self.table["linears"][s]["dense"] for s in shape_of)
