@@ -2,12 +2,17 @@
 held-out text.
 
     .venv/bin/python benchmarks/search_quality.py --levels artifacts/levels
-        [--experiments bits:3.25,sparsity:0.6,bits:3.25:drop,bits:3.25:24] [--generations 100] [--offspring 16]
+        [--experiments bits:3.25,sparsity:0.6,bits:3.25:drop,bits:3.25:24,latency:0.9:drop] [--latency FILE]
+        [--generations 100] [--offspring 16]
 
 Per experiment (kind:budget[:drop][:24]; bits budgets in stored bits per weight, codes plus
-scales, 2:4 masks; `24`: 2:4 on/off per linear too, from a database built with --sparse24)
-three plans, each within the budget:
-- uniform: every linear at the same level (compressors/search.py:uniform_genome);
+scales, 2:4 masks; `24`: 2:4 on/off per linear too, from a database built with --sparse24;
+latency budgets a fraction of the base's decode step by the `--latency` table from `lmpress
+latency`, over the database's bits levels) these plans, each within the budget:
+- uniform: every linear at the same level (compressors/search.py:uniform_genome), where one
+  meets the budget;
+- with a latency budget and --drop, the standard depth pruning (ShortGPT): the blocks of lowest
+  block influence dropped, as few as meet the budget, every linear at the least compressed level;
 - sensitivity: the score-based heuristic. Each unit's sensitivity is the calibration KL with
   only that unit moved to each level (the rest at the least compressed level), and the
   greedy allocation takes the cheapest error per unit of cost saved
@@ -40,7 +45,9 @@ os.environ.setdefault("LMPRESS_QUIET", "1")
 
 from benchmarks._report import CORPORA, scratch_directory  # noqa: E402
 from compressors.search import genome_cost, sensitivity_genome, uniform_genome  # noqa: E402
+from pipelines.errors import LmpressError  # noqa: E402
 from pipelines.evaluation import LMHead  # noqa: E402
+from pipelines.latency import LatencyTable  # noqa: E402
 from pipelines.levels import Candidates, KLFitness, LevelDatabase, read_plan  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
 from pipelines.stages import reference_metrics  # noqa: E402
@@ -55,6 +62,17 @@ def held_out(candidates: Candidates, genome: list[int], reference: Path, batch_s
     return {corpus: reference_metrics(candidates.model, reference, corpus, head, batch_size) for corpus in CORPORA}
 
 
+def least_influential_dropped(units: list, budget: float, influence: list[float]) -> list[int]:
+    """Depth pruning's standard (ShortGPT): drop the blocks of lowest block influence, as few
+    as meet the budget, every linear at its least compressed level."""
+    genome = [0] * len(units)
+    for block in sorted(range(len(influence)), key=lambda i: influence[i]):
+        if genome_cost(units, genome) <= budget * (1 + 1e-9):
+            break
+        genome[next(i for i, u in enumerate(units) if u.is_block and u.block == block)] = 1
+    return genome
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m")
@@ -67,6 +85,7 @@ def main() -> None:
     parser.add_argument("--selection", default="1:4,4:1")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--starts", default="uniform", help="first parents of the evolutionary runs: uniform and/or sensitivity")
+    parser.add_argument("--latency", type=Path, help="latency table (`lmpress latency`) for latency experiments")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "search_quality")
     args = parser.parse_args()
 
@@ -81,21 +100,35 @@ def main() -> None:
     for experiment in args.experiments.split(","):
         kind, value, *flags = experiment.split(":")
         drop, sparse24 = "drop" in flags, "24" in flags
-        units = database.units(kind, drop, sparse24)
+        units = database.units("bits" if kind == "latency" else kind, drop, sparse24)
         weights = sum(u.size for u in units if not u.is_block)
-        budget = (float(value) if kind == "bits" else 1 - float(value)) * weights
+        if kind == "latency":
+            table = LatencyTable(args.latency)
+            units, base_step = table.costed(units, database), table.base_step(database)
+            budget = float(value) * base_step - table.fixed_seconds(units)
+            cost = lambda genome: (table.fixed_seconds(units) + genome_cost(units, genome)) / base_step  # noqa: E731
+        else:
+            budget = (float(value) if kind == "bits" else 1 - float(value)) * weights
+            cost = lambda genome: genome_cost(units, genome) / weights  # noqa: E731
         candidates = Candidates(loaded, database, units)
         fitness = KLFitness(candidates, calib.spread_samples(4)[:, : args.seq_len], 4)
 
         start = time.perf_counter()
         greedy, greedy_evaluations = sensitivity_genome(units, budget, fitness, 1)
-        plans = {"uniform": (uniform_genome(units, budget), 0, 0.0)}
+        plans = {}
+        try:
+            plans["uniform"] = (uniform_genome(units, budget), 0, 0.0)
+        except LmpressError:  # no single level meets a latency budget that only dropping blocks can meet
+            pass
+        if kind == "latency" and drop:
+            plans["block influence (ShortGPT)"] = (least_influential_dropped(units, budget, calib.block_influence()), 0, 0.0)
         if sparse24:  # uniform picks 2:4 + 4-bit at 3.25 bits; the standard is every linear dense at one bit-width
             dense = database.units(kind, drop)
             plans["uniform"] = ([u.levels.index(d.levels[level]) for u, d, level in zip(units, dense, uniform_genome(dense, budget))], 0, 0.0)
             plans["uniform 2:4"] = (uniform_genome(units, budget), 0, 0.0)
         plans["sensitivity"] = (greedy, greedy_evaluations, time.perf_counter() - start)
-        budget_flag = ["--budget-bits", value] if kind == "bits" else ["--target-sparsity", value]
+        budget_flag = {"bits": ["--budget-bits", value], "sparsity": ["--target-sparsity", value],
+                       "latency": ["--budget-latency", value, "--latency", str(args.latency)]}[kind]
         reports = {}
         for first in filter(None, args.starts.split(",")):  # --starts "": the baselines only
             out = work / f"{experiment.replace(':', '_')}_{first}"
@@ -112,7 +145,7 @@ def main() -> None:
         for method, (genome, evaluations, wall) in plans.items():
             metrics = held_out(candidates, genome, args.reference)
             row = {
-                "experiment": experiment, "method": method, "cost_per_weight": round(genome_cost(units, genome) / weights, 4),
+                "experiment": experiment, "method": method, "cost": round(cost(genome), 4),
                 "dropped_blocks": sum(1 for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"),
                 "calibration_kl": round(fitness(genome, 4), 4), "evaluations": evaluations, "wall_s": round(wall, 1),
                 **{f"{corpus}.{key}": entry[name] for corpus, entry in metrics.items() for key, name in METRICS.items()},
@@ -126,7 +159,7 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps({"settings": vars(args) | {"levels": str(args.levels), "calibration": str(args.calibration),
                                                                                   "reference": str(args.reference), "out": str(args.out)},
                                                          "levels": database.manifest["params"], "rows": rows}, indent=2, default=str) + "\n")
-    columns = ["cost_per_weight", "dropped_blocks", "calibration_kl", *[f"{c}.{k}" for c in CORPORA for k in ("kl", "perplexity", "top1")],
+    columns = ["cost", "dropped_blocks", "calibration_kl", *[f"{c}.{k}" for c in CORPORA for k in ("kl", "perplexity", "top1")],
                "evaluations", "wall_s"]
     lines = ["| experiment | method | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     lines += [f"| {r['experiment']} | {r['method']} | " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
