@@ -234,11 +234,12 @@ def latency(
     context: int = typer.Option(256, help="Tokens already in the KV cache."),
     repeats: int = typer.Option(30, help="Timed calls per measurement (the median is kept)."),
     device: str = typer.Option("auto", help="auto (a CUDA GPU if there is one), cpu or cuda."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Time the architecture from the model folder's config.json alone, with random weights (speed does not depend on them): for a machine without the weights; the table is stamped with the database's base."),
 ):
     """Measure a decode step's parts on this device (each linear shape at each level, as lmpress serves it): the model `search --budget-latency` counts in."""
     from pipelines.latency import LatencyConfig, measure_latency
 
-    path = measure_latency(model, levels, out, LatencyConfig(batch=batch, context=context, repeats=repeats, device=device))
+    path = measure_latency(model, levels, out, LatencyConfig(batch=batch, context=context, repeats=repeats, device=device, random_weights=random_weights))
     table = json.loads(path.read_text())
     check = table["check"]
     out_console.print(

@@ -53,6 +53,7 @@ class LatencyConfig:
     context: int = 256  # tokens already in the KV cache
     repeats: int = 30  # timed calls per measurement (the median is kept)
     device: str = "auto"  # auto (cuda if there is one) | cpu | cuda
+    random_weights: bool = False  # time the architecture from config.json alone (speed does not depend on values)
 
     def validate(self) -> None:
         from pipelines.stages import require_positive
@@ -184,54 +185,79 @@ def _linear_table(shapes: list[tuple[int, int]], levels: list[str], config: Late
 
 
 def measure_latency(model: str, levels: Path, out: Path, config: LatencyConfig) -> Path:
-    """Measure the latency table for the model and the level database's levels; see above."""
+    """Measure the latency table for the model and the level database's levels; see above.
+    With `random_weights`, only the model's config.json is read and the table is stamped with
+    the database's base (for a machine that has the architecture but not the weights)."""
     from pipelines.levels import LevelDatabase
-    from pipelines.models import load_model
-    from pipelines.stages import model_chain
 
     config.validate()
     out = Path(out)
     require(not out.is_dir(), f"output path {out} is a directory; pass a file path such as latency.json")
     database = LevelDatabase(levels)
-    loaded = load_model(model)
-    chain = model_chain(model, loaded.folder, loaded.config)
-    database.check_model(chain)
-    longest = getattr(loaded.config, "max_position_embeddings", None)
+    network, base = _network(model, database, config.random_weights)
+    longest = getattr(network.config, "max_position_embeddings", None)
     require(longest is None or config.context < longest, f"--context {config.context} leaves no room for a new token in the model's {longest} positions; lower it")
     device = config.torch_device()
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    network = loaded.model.to(device, dtype)
-    level_names = database.config.quantized_levels + [f"sparsity{s:g}" for s in database.config.sparsity_levels]
-    units = database.manifest["units"]
-    shapes = sorted({(u["size"] // u["in_features"], u["in_features"]) for u in units})
-    blocks = database.manifest["layers"]
-
-    step = decode_step_seconds(network, config, device)
-    with _blocks_kept(network, []):
-        outside = decode_step_seconds(network, config, device)
-    linears, paths = _linear_table(shapes, level_names, config, dtype, device)
-    shape_of = {u["name"]: _shape(u["size"] // u["in_features"], u["in_features"]) for u in units}
-    dense = sum(linears[shape]["dense"] for shape in shape_of.values())
-    rest = max(0.0, (step - outside - dense) / blocks)
-
-    # the additivity check: every other block dropped, the kept ones' linears at the most compressed level
-    level = level_names[-1] if level_names else "dense"
-    kept = list(range(0, blocks, 2))
-    in_kept = [u for u in units if u["block"] in kept]
-    predicted = outside + len(kept) * rest + sum(linears[shape_of[u["name"]]][level] for u in in_kept)
-    swapped = {u["name"]: serving_module(level, *map(int, shape_of[u["name"]].split("x")), dtype, device)[0] for u in in_kept}
-    with _linears_swapped(network, swapped), _blocks_kept(network, kept):
-        measured = decode_step_seconds(network, config, device)
-
+    network.to(device, dtype)
     table = {
-        "format": LATENCY_FORMAT, "version": LATENCY_VERSION, "base": chain[0], "params": asdict(config),
+        "format": LATENCY_FORMAT, "version": LATENCY_VERSION, "base": base, "params": asdict(config),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": str(dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(), "levels": level_names, "blocks": blocks,
-        "step_s": step, "outside_s": outside, "block_rest_s": rest, "linears": linears, "paths": paths,
-        "check": {"level": level, "blocks_kept": len(kept), "predicted_s": predicted, "measured_s": measured},
+        "threads": torch.get_num_threads(), "levels": database.config.level_names, "blocks": database.manifest["layers"],
+        **_time_decode_parts(network, database.manifest["units"], database.config.level_names, config, dtype, device),
     }
     write_json(out, table)
     return out
+
+
+def _network(model: str, database, random_weights: bool) -> tuple[nn.Module, dict]:
+    """The model to time and the base record the table carries."""
+    from pipelines.models import load_config, load_model, resolve_model
+    from pipelines.stages import model_chain
+
+    if not random_weights:
+        loaded = load_model(model)
+        chain = model_chain(model, loaded.folder, loaded.config)
+        database.check_model(chain)
+        return loaded.model, chain[0]
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    network = AutoModelForCausalLM.from_config(load_config(resolve_model(model))).eval()
+    modules = dict(network.named_modules())
+    for unit in database.manifest["units"]:
+        module = modules.get(unit["name"])
+        require(
+            module is not None and module.weight.numel() == unit["size"] and module.in_features == unit["in_features"],
+            f"{model} is not the architecture level database {database.folder} was built for ({unit['name']}); pass that model's config",
+        )
+    return network, database.manifest["base"]
+
+
+def _time_decode_parts(network: nn.Module, units: list[dict], level_names: list[str], config: LatencyConfig, dtype, device) -> dict:
+    """The table's times: the step, outside the blocks, each shape at each level, the blocks'
+    rest, and the additivity check (every other block dropped, the kept ones' linears at the
+    last, most compressed, level)."""
+    blocks = len({u["block"] for u in units})
+    shape_of = {u["name"]: (u["size"] // u["in_features"], u["in_features"]) for u in units}
+    step = decode_step_seconds(network, config, device)
+    with _blocks_kept(network, []):
+        outside = decode_step_seconds(network, config, device)
+    linears, paths = _linear_table(sorted(set(shape_of.values())), level_names, config, dtype, device)
+    dense = sum(linears[_shape(*shape)]["dense"] for shape in shape_of.values())
+    rest = max(0.0, (step - outside - dense) / blocks)
+
+    level = level_names[-1] if level_names else "dense"
+    kept = list(range(0, blocks, 2))
+    in_kept = [u["name"] for u in units if u["block"] in kept]
+    predicted = outside + len(kept) * rest + sum(linears[_shape(*shape_of[name])][level] for name in in_kept)
+    swapped = {name: serving_module(level, *shape_of[name], dtype, device)[0] for name in in_kept}
+    with _linears_swapped(network, swapped), _blocks_kept(network, kept):
+        measured = decode_step_seconds(network, config, device)
+    return {
+        "step_s": step, "outside_s": outside, "block_rest_s": rest, "linears": linears, "paths": paths,
+        "check": {"level": level, "blocks_kept": len(kept), "predicted_s": predicted, "measured_s": measured},
+    }
 
 
 class _blocks_kept:
@@ -293,7 +319,7 @@ class LatencyTable:
             f"latency table {self.path} was measured on {self.table['base']['model']}, not this model; "
             "measure it with `lmpress latency --model` for the model you search",
         )
-        missing = sorted(set(database.config.quantized_levels + [f"sparsity{s:g}" for s in database.config.sparsity_levels]) - set(self.table["levels"]))
+        missing = sorted(set(database.config.level_names) - set(self.table["levels"]))
         require(not missing, f"latency table {self.path} has no times for level(s) {', '.join(missing)}; measure it again with this --levels database")
 
     @property

@@ -100,6 +100,11 @@ class LevelsConfig:
     def sparsity_levels(self) -> list[float]:
         return sorted(set(number_list(self.sparsity, float, "--sparsity")))
 
+    @property
+    def level_names(self) -> list[str]:
+        """Every level the database stores, by the name of its tensors file."""
+        return self.quantized_levels + [f"sparsity{s:g}" for s in self.sparsity_levels]
+
     def validate(self) -> None:
         from compressors.grid import GridSpec
         from compressors.sparsity import parse_pattern
@@ -134,7 +139,7 @@ def level_database(model: str, calibration: Path | None, out: Path, config: Leve
             if sparse24:
                 parse_pattern("2:4").check_width(module.in_features, name)
     prefix = architecture_of(loaded.config).layers
-    tensors = {level: {} for level in config.quantized_levels} | {f"sparsity{s:g}": {} for s in config.sparsity_levels}
+    tensors = {level: {} for level in config.level_names}
     with atomic_directory(out) as tmp, progress_bar("levels", loaded.config.num_hidden_layers) as advance:
         for index, layer in enumerate(decoder_layers(loaded.model)):
             stats = calib.layer(index) if needs_statistics else {}

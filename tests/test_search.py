@@ -315,6 +315,13 @@ def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup)
         assert set(times) == {"dense", *table["levels"]} and len(set(times.values())) == 1  # one serving path
         assert set(table["paths"][shape].values()) == {"dense"}
     assert table["step_s"] > table["outside_s"] > 0 and table["block_rest_s"] >= 0 and table["check"]["blocks_kept"] == 2
+    # a machine with the architecture but not the weights (a GPU box): config.json alone, stamped with the database's base
+    bare = tmp_path / "config-only"
+    bare.mkdir()
+    (bare / "config.json").write_text((model / "config.json").read_text())
+    result = run_cli("latency", "--model", bare, "--levels", levels, "--context", "32", "--repeats", "2", "--random-weights", "--out", tmp_path / "bare.json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "bare.json").read_text())["base"] == table["base"]
 
     searched = tmp_path / "searched"
     result = run_cli(*search_args(tiny_setup, searched, "--budget-latency", "0.95", "--latency", table_file, "--drop", "true", "--start", "sensitivity"))
@@ -337,4 +344,7 @@ def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup)
     assert result.returncode == 2 and "was measured on another, not this model" in result.stderr
     result = run_cli("latency", "--model", model, "--levels", levels, "--context", "500", "--out", tmp_path / "long.json")
     assert result.returncode == 2 and "--context 500 leaves no room" in result.stderr
+    (bare / "config.json").write_text((bare / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
+    result = run_cli("latency", "--model", bare, "--levels", levels, "--random-weights", "--out", tmp_path / "long.json")
+    assert result.returncode == 2 and "is not the architecture level database" in result.stderr
     assert not (tmp_path / "refused").exists() and not (tmp_path / "long.json").exists()
