@@ -3,16 +3,23 @@
 #   tests     the kernel tests, compiled for the GPU instead of interpreted;
 #   validate  `lmpress validate` on each artifact (or artifact slice, benchmarks/artifact_slice.py)
 #             found under $SLICES (default .gpu/);
-#   speed     benchmarks/kernel_speed.py at realistic layer shapes ($SPEED_ARGS are passed on).
+#   speed     benchmarks/kernel_speed.py at realistic layer shapes ($SPEED_ARGS are passed on);
+#   latency   `lmpress latency --random-weights` on the GPU: the table `search --budget-latency`
+#             counts in, from a model's config.json and a level database's manifest.json alone
+#             (the weights do not travel), prepared here with
+#               mkdir -p .gpu-latency/model .gpu-latency/levels
+#               cp ~/.cache/lmpress/models/smollm2-135m/config.json .gpu-latency/model/
+#               cp artifacts/levels-joint/manifest.json .gpu-latency/levels/
 # Reports go to $OUT (default /tmp/lmpress-gpu), the full log to $OUT/gpu_check.log. Packages the
 # machine lacks (compressed-tensors, bitsandbytes and their needs) may be carried as wheels in .whl/.
 #
-#   bash benchmarks/gpu_check.sh [tests] [validate] [speed]      (default: all three)
+#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [latency]      (default: all four)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lmpress-gpu}
 SLICES=${SLICES:-.gpu}
-STEPS=${*:-tests validate speed}
+STEPS=${*:-tests validate speed latency}
+LATENCY=${LATENCY:-.gpu-latency}
 mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -45,5 +52,14 @@ fi
 if [[ " $STEPS " == *" speed "* ]]; then
     python3 benchmarks/kernel_speed.py --out "$OUT/kernel_speed" ${SPEED_ARGS:-} >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     cat "$OUT/kernel_speed.md" 2>/dev/null
+fi
+if [[ " $STEPS " == *" latency "* ]]; then
+    if [ -f "$LATENCY/model/config.json" ] && [ -f "$LATENCY/levels/manifest.json" ]; then
+        python3 -m pipelines.cli latency --model "$LATENCY/model" --levels "$LATENCY/levels" --random-weights --device cuda \
+            --out "$OUT/latency.json" >>"$LOG" 2>&1 || status=1
+        tail -4 "$LOG"
+    else
+        echo "latency: $LATENCY/model/config.json and $LATENCY/levels/manifest.json are missing (see the top of this script)"
+    fi
 fi
 exit $status
