@@ -234,6 +234,7 @@ def _network(model: str, database, random_weights: bool) -> tuple[nn.Module, dic
     return network, database.manifest["base"]
 
 
+@torch.no_grad()
 def _time_decode_parts(network: nn.Module, units: list[dict], level_names: list[str], config: LatencyConfig, dtype, device) -> dict:
     """The table's times: the step, outside the blocks, each shape at each level, the blocks'
     rest, and the additivity check (every other block dropped, the kept ones' linears at the
