@@ -149,6 +149,7 @@ class PackedLinear(nn.Module):
             self.register_buffer(name, getattr(weight, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._dense: torch.Tensor | None = None
+        self._kernels: dict[torch.device, Kernel | None] = {}  # chosen once per device: a decode step calls every linear
 
     @property
     def weight_packed(self) -> PackedWeight:
@@ -156,12 +157,14 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        kernel = serving_kernel(self.weight_packed, flat.device)
+        if flat.device not in self._kernels:
+            self._kernels[flat.device] = serving_kernel(self.weight_packed, flat.device)
+        kernel = self._kernels[flat.device]
         if kernel is not None:
             out = kernel.run(flat, self.weight_packed)
         else:
             if self._dense is None:
                 self._dense = packed_int.dequantize_reference(self.weight_packed)
-            out = flat.float() @ self._dense.T
+            out = nn.functional.linear(flat.to(self._dense.dtype), self._dense)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias

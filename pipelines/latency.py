@@ -8,8 +8,9 @@ A decode step (one new token per sequence, `context` tokens already in the KV ca
 where `outside` is everything but the decoder blocks (embedding, final norm, LM head),
 `block_rest` what a block costs besides its linears (attention over the cache, norms, rotary,
 residuals), and each linear's time is that of one call at its level as lmpress serves it: the
-level's packed kernel on a GPU, a cached dense copy on the CPU (where every level therefore
-costs what the dense weight does, and only dropping blocks buys time). The model is additive
+level's packed kernel on a GPU, a cached dense copy on the CPU (where every quantized level
+therefore costs the same, a little more than the plain dense linear, and only dropping blocks
+buys time). The model is additive
 by assumption; the table carries a check of it: a model with every other block dropped and
 the rest at the database's most compressed level, predicted and measured.
 
@@ -19,7 +20,8 @@ latency.json:
     step_s                  one decode step of the base model, measured
     outside_s, block_rest_s
     linears                 {"<out>x<in>": {"dense": s, "<level>": s, ...}}
-    paths                   {"<out>x<in>": {"<level>": serving path}}: a kernel, or "dense"
+    paths                   {"<out>x<in>": {"<level>": serving path}}: a kernel, "dense", or
+                            "PackedLinear's dense copy" (a packed level without a kernel here)
     check                   {"predicted_s", "measured_s", "blocks_kept", "level"}
 Times are medians of `repeats` timed calls after a warm-up, wall clock (on a GPU after a
 synchronize: eager serving, launch overhead included, as `lmpress generate` runs). Linears are
@@ -141,21 +143,24 @@ def decode_step_seconds(model: nn.Module, config: LatencyConfig, device: torch.d
 # --------------------------------------------------------------------------- serving modules
 
 
-def serving_module(level: str, rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, str]:
+def serving_module(level: str, rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, str, int]:
     """A linear of this shape as lmpress serves it at `level` (random weights: speed does not
-    depend on them), and the path it runs: a kernel, or "dense"."""
+    depend on them), the path it runs (a kernel, or a dense matmul), and the bytes a call reads."""
     from compressors.kernels import PackedLinear, serving_kernel
     from compressors.packed_int import random_packed_weight
     from pipelines.levels import parse_quantized_level
 
+    dense_bytes = rows * columns * torch.finfo(dtype).bits // 8
     if level.startswith("bits"):
         bits, group_size, sparse24 = parse_quantized_level(level)
         weight = random_packed_weight(bits, rows, columns, group_size, "2:4 symmetric" if sparse24 else "symmetric").to(device)
         kernel = serving_kernel(weight, device)
         module = PackedLinear(weight, None).to(device)
-        return module, "dense" if kernel is None else f"{kernel.name} ({weight.kind}, {bits}-bit, group {group_size})"
+        if kernel is None:  # every level runs the same code on a dense copy: one path, one measurement
+            return module, "PackedLinear's dense copy", dense_bytes
+        return module, f"{kernel.name} ({weight.kind}, {bits}-bit, group {group_size})", weight.nbytes
     # dense, and unstructured sparsity: no kernel skips scattered zeros, so it is served dense
-    return nn.Linear(columns, rows, bias=False, device=device, dtype=dtype), "dense"
+    return nn.Linear(columns, rows, bias=False, device=device, dtype=dtype), "dense", dense_bytes
 
 
 def _shape(rows: int, columns: int) -> str:
@@ -171,11 +176,8 @@ def _linear_table(shapes: list[tuple[int, int]], levels: list[str], config: Late
         key = _shape(rows, columns)
         times[key], paths[key] = {}, {}
         for level in ("dense", *levels):
-            module, path = serving_module(level, rows, columns, dtype, device)
+            _, path, nbytes = serving_module(level, rows, columns, dtype, device)
             if path not in by_path:
-                # what a call reads: the dense weight (the CPU serves packed levels from a dense copy) or the packed one
-                packed = (*module.parameters(), *module.buffers()) if path != "dense" else ()
-                nbytes = sum(t.numel() * t.element_size() for t in packed) or rows * columns * torch.finfo(dtype).bits // 8
                 by_path[path] = linear_seconds(lambda level=level: serving_module(level, rows, columns, dtype, device)[0], x, nbytes, config.repeats)
             times[key][level], paths[key][level] = by_path[path], path
     return times, paths

@@ -300,7 +300,7 @@ def test_greedy_steps_over_levels_of_equal_cost():
 
 def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup):
     """`lmpress latency` times every linear shape at every level as lmpress serves it here (the
-    CPU: a cached dense copy, so each level costs what dense does) and a decode step's other
+    CPU: a cached dense copy, so every level costs the same) and a decode step's other
     parts; `search --budget-latency` keeps the predicted step within the budget, which here only
     dropping blocks can buy; bad input fails in one line."""
     import json
@@ -312,8 +312,10 @@ def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup)
     table = json.loads(table_file.read_text())
     assert table["device"] == "cpu" and set(table["linears"]) == {"64x64", "32x64", "96x64", "64x96"}
     for shape, times in table["linears"].items():
-        assert set(times) == {"dense", *table["levels"]} and len(set(times.values())) == 1  # one serving path
-        assert set(table["paths"][shape].values()) == {"dense"}
+        assert set(times) == {"dense", *table["levels"]}
+        bits = [level for level in table["levels"] if level.startswith("bits")]
+        assert len({times[level] for level in bits}) == 1 and {times[f"sparsity{s}"] for s in (0.3, 0.6)} == {times["dense"]}  # one serving path each
+        assert set(table["paths"][shape].values()) == {"dense", "PackedLinear's dense copy"}
     assert table["step_s"] > table["outside_s"] > 0 and table["block_rest_s"] >= 0 and table["check"]["blocks_kept"] == 2
     # a machine with the architecture but not the weights (a GPU box): config.json alone, stamped with the database's base
     bare = tmp_path / "config-only"
