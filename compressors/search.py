@@ -180,7 +180,6 @@ def evolve(
     is the KL to the base on the first `windows` calibration windows."""
     rng = random.Random()
     rng.setstate(state.rng_state)
-    final_windows = selection[-1][0]
     while state.generation < generations:
         children = []
         for _ in range(offspring):
