@@ -62,10 +62,10 @@ def held_out(candidates: Candidates, genome: list[int], reference: Path, batch_s
     return {corpus: reference_metrics(candidates.model, reference, corpus, head, batch_size) for corpus in CORPORA}
 
 
-def least_influential_dropped(units: list, budget: float, influence: list[float]) -> list[int]:
+def least_influential_dropped(units: list, budget: float, influence: list[float], top_level: str) -> list[int]:
     """Depth pruning's standard (ShortGPT): drop the blocks of lowest block influence, as few
-    as meet the budget, every linear at its least compressed level."""
-    genome = [0] * len(units)
+    as meet the budget, every linear at `top_level` (the database's least compressed)."""
+    genome = [0 if u.is_block else u.levels.index(top_level) for u in units]
     for block in sorted(range(len(influence)), key=lambda i: influence[i]):
         if genome_cost(units, genome) <= budget * (1 + 1e-9):
             break
@@ -121,7 +121,7 @@ def main() -> None:
         except LmpressError:  # no single level meets a latency budget that only dropping blocks can meet
             pass
         if kind == "latency" and drop:
-            plans["block influence (ShortGPT)"] = (least_influential_dropped(units, budget, calib.block_influence()), 0, 0.0)
+            plans["block influence (ShortGPT)"] = (least_influential_dropped(units, budget, calib.block_influence(), database.config.quantized_levels[0]), 0, 0.0)
         if sparse24:  # uniform picks 2:4 + 4-bit at 3.25 bits; the standard is every linear dense at one bit-width
             dense = database.units(kind, drop)
             plans["uniform"] = ([u.levels.index(d.levels[level]) for u, d, level in zip(units, dense, uniform_genome(dense, budget))], 0, 0.0)

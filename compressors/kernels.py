@@ -149,7 +149,7 @@ class PackedLinear(nn.Module):
             self.register_buffer(name, getattr(weight, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._dense: torch.Tensor | None = None
-        self._kernels: dict[torch.device, Kernel | None] = {}  # chosen once per device: a decode step calls every linear
+        self._kernels: dict[torch.device, int | None] = {}  # index in KERNELS, chosen once per device (picklable)
 
     @property
     def weight_packed(self) -> PackedWeight:
@@ -157,13 +157,14 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.device not in self._kernels:
-            self._kernels[flat.device] = serving_kernel(self.weight_packed, flat.device)
-        kernel = self._kernels[flat.device]
-        if kernel is not None:
-            out = kernel.run(flat, self.weight_packed)
+        if flat.device not in self._kernels:  # a decode step calls every linear: choose once
+            kernel = serving_kernel(self.weight_packed, flat.device)
+            self._kernels[flat.device] = None if kernel is None else KERNELS.index(kernel)
+        index = self._kernels[flat.device]
+        if index is not None:
+            out = KERNELS[index].run(flat, self.weight_packed)
         else:
-            if self._dense is None:
+            if self._dense is None or self._dense.device != flat.device:
                 self._dense = packed_int.dequantize_reference(self.weight_packed)
             out = nn.functional.linear(flat.to(self._dense.dtype), self._dense)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

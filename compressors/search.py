@@ -82,12 +82,13 @@ def uniform_genome(units: list[Unit], budget: float) -> list[int]:
 
 
 def _next_steps(unit: Unit, level: int) -> list[int]:
-    """The levels one step more compressed than `level`: those at the next lower cost. Levels
-    of equal cost (4-bit 2:4 and 3-bit dense both store 3.25 bits at group 64) are
-    alternatives, not steps, so a step never saves nothing."""
+    """The levels one step cheaper than `level`: those at the next lower cost, wherever they
+    lie in the order (under a latency model a more compressed level may cost more). Levels of
+    equal cost (4-bit 2:4 and 3-bit dense both store 3.25 bits at group 64) are alternatives,
+    not steps, so a step never saves nothing."""
     if unit.is_block:  # keep -> drop: what it saves is what its linears cost (see greedy_genome)
         return [level + 1] if level + 1 < len(unit.levels) else []
-    lower = [j for j in range(level + 1, len(unit.levels)) if unit.costs[j] < unit.costs[level]]
+    lower = [j for j in range(len(unit.levels)) if unit.costs[j] < unit.costs[level]]
     return [j for j in lower if unit.costs[j] == max(unit.costs[k] for k in lower)]
 
 

@@ -220,6 +220,33 @@ def block_influence(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> 
     return influence.value
 
 
+class LayerSubset:
+    """`keep_layers`, undoable: run one loaded model on many subsets of its decoder layers
+    (the latency table's measurements), each renumbered with its attention kinds cut to
+    match, and put the whole model back."""
+
+    def __init__(self, model: nn.Module):
+        from pipelines.models import LAYER_WIDTHS, decoder_layers
+
+        self.model, self.layers = model, decoder_layers(model)
+        self.indices = [layer.self_attn.layer_idx for layer in self.layers]
+        self.settings = {key: getattr(model.config, key) for key in ("num_hidden_layers", "layer_types", LAYER_WIDTHS) if hasattr(model.config, key)}
+
+    def keep(self, kept: list[int]) -> None:
+        self.restore()
+        keep_layers(self.model, kept)
+
+    def restore(self) -> None:
+        from pipelines.models import architecture_of
+
+        owner, name = architecture_of(self.model.config).layers.rsplit(".", 1)
+        setattr(self.model.get_submodule(owner), name, self.layers)
+        for layer, index in zip(self.layers, self.indices):
+            layer.self_attn.layer_idx = index
+        for key, value in self.settings.items():
+            setattr(self.model.config, key, value)
+
+
 def keep_layers(model: nn.Module, kept: list[int]) -> None:
     """Keep only the decoder layers `kept` (ascending indices), renumbered, with the config's
     per-layer lists (attention kinds, lmpress's layer widths) cut to match."""

@@ -12,7 +12,7 @@ level's packed kernel on a GPU, a cached dense copy on the CPU (where every quan
 therefore costs the same, a little more than the plain dense linear, and only dropping blocks
 buys time). The model is additive
 by assumption; the table carries a check of it: a model with every other block dropped and
-the rest at the database's most compressed level, predicted and measured.
+the rest at the database's most compressed packed level, predicted and measured.
 
 latency.json:
     base                    the model it was measured on (as lineage records it)
@@ -117,27 +117,27 @@ def linear_seconds(make: Callable[[], nn.Module], x: torch.Tensor, nbytes: int, 
 
 @torch.no_grad()
 def decode_step_seconds(model: nn.Module, config: LatencyConfig, device: torch.device) -> float:
-    """One decode step at `batch` x 1 new token after `context` cached tokens; the cache is
-    cut back to `context` (untimed) before each step."""
+    """One decode step at `batch` x 1 new token after `context` cached tokens, each from a
+    copy of the same prefilled cache made untimed before it (cropping back instead fails on
+    sliding-window layers, and on layers a pruned model never ran)."""
+    import copy
+
     from transformers import DynamicCache
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (config.batch, config.context + 1), generator=generator).to(device)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, : config.context], past_key_values=cache, use_cache=True)
+    prefilled = DynamicCache(config=model.config)
+    model(input_ids=ids[:, : config.context], past_key_values=prefilled, use_cache=True)
     position = torch.full((config.batch, 1), config.context, device=device)
-    grown = [False]
+    cache = [prefilled]
+
+    def fresh():
+        cache[0] = copy.deepcopy(prefilled)
 
     def step():
-        model(input_ids=ids[:, config.context :], past_key_values=cache, use_cache=True, position_ids=position)
-        grown[0] = True
+        model(input_ids=ids[:, config.context :], past_key_values=cache[0], use_cache=True, position_ids=position)
 
-    def cut():
-        if grown[0]:
-            cache.crop(-1)
-            grown[0] = False
-
-    return median_seconds(step, device, config.repeats, before=cut)
+    return median_seconds(step, device, config.repeats, before=fresh)
 
 
 # --------------------------------------------------------------------------- serving modules
@@ -156,8 +156,8 @@ def serving_module(level: str, rows: int, columns: int, dtype: torch.dtype, devi
         weight = random_packed_weight(bits, rows, columns, group_size, "2:4 symmetric" if sparse24 else "symmetric").to(device)
         kernel = serving_kernel(weight, device)
         module = PackedLinear(weight, None).to(device)
-        if kernel is None:  # every level runs the same code on a dense copy: one path, one measurement
-            return module, "PackedLinear's dense copy", dense_bytes
+        if kernel is None:  # every level runs the same code on a dense (fp32) copy: one path, one measurement
+            return module, "PackedLinear's dense copy", rows * columns * 4
         return module, f"{kernel.name} ({weight.kind}, {bits}-bit, group {group_size})", weight.nbytes
     # dense, and unstructured sparsity: no kernel skips scattered zeros, so it is served dense
     return nn.Linear(columns, rows, bias=False, device=device, dtype=dtype), "dense", dense_bytes
@@ -250,7 +250,8 @@ def _time_decode_parts(network: nn.Module, units: list[dict], level_names: list[
     dense = sum(linears[_shape(*shape)]["dense"] for shape in shape_of.values())
     rest = max(0.0, (step - outside - dense) / blocks)
 
-    level = level_names[-1] if level_names else "dense"
+    packed = [name for name in level_names if name.startswith("bits")]
+    level = packed[-1] if packed else level_names[-1]  # the most compressed packed level: it runs a kernel where there is one
     kept = list(range(0, blocks, 2))
     in_kept = [u["name"] for u in units if u["block"] in kept]
     predicted = outside + len(kept) * rest + sum(linears[_shape(*shape_of[name])][level] for name in in_kept)
@@ -264,21 +265,19 @@ def _time_decode_parts(network: nn.Module, units: list[dict], level_names: list[
 
 
 class _blocks_kept:
-    """Within the block, the model runs only the decoder blocks `kept` (they keep their cache
-    index, as the search's candidates do)."""
+    """Within the block, the model runs only the decoder blocks `kept`, renumbered with their
+    attention kinds (sliding or full) as `lmpress drop-layers` leaves them."""
 
     def __init__(self, model: nn.Module, kept: list[int]):
-        from pipelines.models import architecture_of, decoder_layers
+        from compressors.structured import LayerSubset
 
-        self.owner, self.attribute = architecture_of(model.config).layers.rsplit(".", 1)
-        self.model, self.kept, self.all = model, kept, decoder_layers(model)
+        self.subset, self.kept = LayerSubset(model), kept
 
     def __enter__(self):
-        kept = nn.ModuleList([layer for index, layer in enumerate(self.all) if index in self.kept])
-        setattr(self.model.get_submodule(self.owner), self.attribute, kept)
+        self.subset.keep(self.kept)
 
     def __exit__(self, *exc):
-        setattr(self.model.get_submodule(self.owner), self.attribute, self.all)
+        self.subset.restore()
 
 
 class _linears_swapped:
@@ -311,7 +310,7 @@ class LatencyTable:
         require(self.path.is_file(), f"latency table {self.path} does not exist; measure it with `lmpress latency`")
         self.table = read_json(self.path, "measure it again with `lmpress latency`")
         require(
-            self.table.get("format") == LATENCY_FORMAT and self.table.get("version") == LATENCY_VERSION,
+            isinstance(self.table, dict) and self.table.get("format") == LATENCY_FORMAT and self.table.get("version") == LATENCY_VERSION,
             f"{self.path} is not an lmpress latency table of version {LATENCY_VERSION}; measure it with `lmpress latency`",
         )
 

@@ -70,6 +70,27 @@ def test_latency_costs_need_not_fall_with_compression():
     assert genome_cost(units, dropping) <= below_every_level and 1 in dropping[6:]
     with pytest.raises(LmpressError, match="no single level for every linear"):
         uniform_genome(units, below_every_level)
+    # the cheapest level may lie earlier in the order than a cheaper-than-now one: greedy reaches it
+    zigzag = [Unit(f"u{i}", 10, levels, (1.0, 0.5, 0.7, 0.6), i) for i in range(4)]
+    greedy = greedy_genome(zigzag, 0.55 * 40, lambda i, level: float(level))  # it used to stop at bits2 (0.6) and fail
+    assert genome_cost(zigzag, greedy) <= 0.55 * 40 * (1 + 1e-9) and cheapest_genome(zigzag) == [1] * 4
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "qwen3"])
+def test_decode_step_timing_runs_on_every_family(family):
+    """The latency table times decode steps with sliding-window layers too, with all blocks or
+    none or every other one, and a context past the sliding window."""
+    from conftest import tiny_model
+    from pipelines.latency import LatencyConfig, _blocks_kept, decode_step_seconds
+
+    model = tiny_model(family)
+    config = LatencyConfig(context=12, repeats=2)  # the sliding windows are 8
+    for kept in (None, [], [0, 2]):
+        if kept is None:
+            assert decode_step_seconds(model, config, torch.device("cpu")) > 0
+            continue
+        with _blocks_kept(model, kept):
+            assert decode_step_seconds(model, config, torch.device("cpu")) > 0
 
 
 def test_evolution_beats_uniform_and_is_reproducible_and_resumable():
