@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from compressors.search import STARTS, SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
+from compressors.structured import LayerSubset
 from pipelines.artifact import ResumeFolder, atomic_directory, file_sha256, inputs_key, read_json, write_json, write_lineage
 from pipelines.errors import require
 from pipelines.evaluation import LMHead, score_windows
@@ -246,8 +246,7 @@ class Candidates:
         self.base = {name: module.weight.data.clone() for name, module in self.linears.items()}
         self.levels: dict[tuple[str, str], torch.Tensor] = {}  # (linear, level) -> weight, made once
         self.applied: dict[str, str] = {}
-        self.all_layers = decoder_layers(loaded.model)
-        self.owner, self.attribute = architecture_of(loaded.config).layers.rsplit(".", 1)
+        self.layers = LayerSubset(loaded.model)
 
     def apply(self, genome: list[int]) -> None:
         dropped = set()
@@ -263,15 +262,14 @@ class Candidates:
                     self.levels[key] = self.database.weight(name, unit.name, self.base[unit.name]).to(self.base[unit.name].dtype)
                 self.linears[unit.name].weight.data.copy_(self.levels[key])
                 self.applied[unit.name] = name
-        # dropped blocks are left out of the layer list; the kept ones keep their cache index
-        kept = nn.ModuleList([layer for index, layer in enumerate(self.all_layers) if index not in dropped])
-        setattr(self.model.get_submodule(self.owner), self.attribute, kept)
+        # dropped blocks are left out, the kept ones renumbered with their attention kinds, as drop-layers leaves them
+        self.layers.keep([index for index in range(len(self.layers.layers)) if index not in dropped])
 
     def restore(self) -> None:
         for name, module in self.linears.items():
             module.weight.data.copy_(self.base[name])
         self.applied.clear()
-        setattr(self.model.get_submodule(self.owner), self.attribute, self.all_layers)
+        self.layers.restore()
 
 
 class KLFitness:
