@@ -167,6 +167,11 @@ def _shape(rows: int, columns: int) -> str:
     return f"{rows}x{columns}"
 
 
+def _unit_shapes(units: list[dict]) -> dict[str, tuple[int, int]]:
+    """Each linear of a level database's manifest: (out, in)."""
+    return {u["name"]: (u["size"] // u["in_features"], u["in_features"]) for u in units}
+
+
 def _linear_table(shapes: list[tuple[int, int]], levels: list[str], config: LatencyConfig, dtype, device) -> tuple[dict, dict]:
     """Seconds of each shape at "dense" and each level, one measurement per serving path."""
     times, paths = {}, {}
@@ -242,7 +247,7 @@ def _time_decode_parts(network: nn.Module, units: list[dict], level_names: list[
     rest, and the additivity check (every other block dropped, the kept ones' linears at the
     last, most compressed, level)."""
     blocks = len({u["block"] for u in units})
-    shape_of = {u["name"]: (u["size"] // u["in_features"], u["in_features"]) for u in units}
+    shape_of = _unit_shapes(units)
     step = decode_step_seconds(network, config, device)
     with _blocks_kept(network, []):
         outside = decode_step_seconds(network, config, device)
@@ -331,7 +336,7 @@ class LatencyTable:
     def costed(self, units: list[Unit], database) -> list[Unit]:
         """The units with costs per weight in seconds: a linear's time at each level over its
         size; a block keeps (its rest) or drops (nothing)."""
-        shape_of = {u["name"]: _shape(u["size"] // u["in_features"], u["in_features"]) for u in database.manifest["units"]}
+        shape_of = {name: _shape(*shape) for name, shape in _unit_shapes(database.manifest["units"]).items()}
         costed = []
         for unit in units:
             if unit.is_block:
@@ -357,5 +362,5 @@ class LatencyTable:
     def base_step(self, database) -> float:
         """The base model's step as the table predicts it (its measured step, up to a negative
         rest clipped to 0)."""
-        shape_of = [_shape(u["size"] // u["in_features"], u["in_features"]) for u in database.manifest["units"]]
+        shape_of = [_shape(*shape) for shape in _unit_shapes(database.manifest["units"]).values()]
         return self.table["outside_s"] + self.table["blocks"] * self.table["block_rest_s"] + sum(self.table["linears"][s]["dense"] for s in shape_of)
