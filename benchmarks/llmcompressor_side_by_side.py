@@ -74,7 +74,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--tools", default="llm-compressor,lmpress,lmpress-stored")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "llmcompressor_side_by_side")
+    parser.add_argument("--merge", type=Path, nargs="*", help="only write the table from these earlier --out .json files "
+                        "(runs split over cores: one invocation per core, each pinned with taskset)")
     args = parser.parse_args()
+    if args.merge:
+        write_table([row for file in args.merge for row in json.loads(file.read_text())], args.out)
+        return
 
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -103,8 +108,12 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    write_table(rows, args.out)
+
+
+def write_table(rows: list[dict], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = ["| tool | scheme | " + " | ".join(f"{c} ppl | {c} KL" for c in CORPORA) + " | wall s | peak RSS MB |", "|" + "---|" * 8]
     for row in rows:
         cells = [row["tool"], f"W{row['bits']} g{row['group_size']}"]
@@ -112,8 +121,10 @@ def main() -> None:
             cells += [f"{row[f'{corpus}.perplexity']:.2f}", f"{row[f'{corpus}.kl_to_base']:.4f}"]
         cells += [str(row["wall_time_s"]), str(row["peak_rss_mb"])]
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append(f"\nOMP_NUM_THREADS={rows[0]['threads']}, {rows[0]['cpus']} CPU(s) in the affinity mask, one run at a time.")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    settings = sorted({(row["threads"], row["cpus"]) for row in rows})
+    lines.append("\n" + "; ".join(f"OMP_NUM_THREADS={threads}, {cpus} CPU(s) in the affinity mask" for threads, cpus in settings)
+                 + ", each tool's run alone on its core.")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

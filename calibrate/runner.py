@@ -109,6 +109,7 @@ class LayerRunner:
         finally:
             for layer in self.layers:
                 del layer.forward
+        release_free_memory()  # the full-precision embeddings of every batch, freed
         return hidden, calls
 
     def __len__(self) -> int:
@@ -123,9 +124,9 @@ class LayerRunner:
             if not self._propagated:
                 self.forward(layer)
             layer.to(home)
-            release_free_memory()
             if self.on_layer_done is not None:
                 self.on_layer_done(index)
+            release_free_memory()
 
     def _batch_calls(self, layer: nn.Module) -> Iterator[tuple[torch.Tensor, tuple, dict]]:
         """The current layer's recorded call arguments for every batch, on the device and in the
@@ -162,10 +163,8 @@ class LayerRunner:
     def forward(self, layer: nn.Module, propagate: bool = True) -> None:
         """Run the current layer on every batch of samples (hooks on it see the real inputs).
         With `propagate`, its outputs become the inputs of the next layer."""
-        outputs = []
-        for hidden, args, kwargs in self._batch_calls(layer):
+        for batch, (hidden, args, kwargs) in enumerate(self._batch_calls(layer)):
             output = layer(hidden, *args, **kwargs)
-            if propagate:
-                outputs.append(output)
-        if propagate:
-            self.hidden, self._propagated = outputs, True
+            if propagate:  # in place: a batch's input is dead once its output exists, so one set is held, not two
+                self.hidden[batch] = output
+        self._propagated = self._propagated or propagate

@@ -41,11 +41,12 @@ class Moments:
         self.abs_sum = torch.zeros(features, dtype=torch.float64)
 
     def add(self, x: torch.Tensor) -> None:
-        # fp32 matmul per batch (fast), fp64 running sum (exact enough over 10^5 tokens)
+        # fp32 matmul per batch (fast), fp64 running sum (exact enough over 10^5 tokens); |x| is
+        # summed without being materialized, as this hook runs at a stage's memory peak
         x = x.reshape(-1, x.shape[-1]).float()
         self.xtx += (x.T @ x).cpu().double()
         self.sum += x.sum(0).cpu().double()
-        self.abs_sum += x.abs().sum(0).cpu().double()
+        self.abs_sum += torch.linalg.vector_norm(x, 1, dim=0).cpu().double()
         self.count += x.shape[0]
 
 

@@ -36,18 +36,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compressors.packed_int import PackedWeight
+from compressors.packed_int import PackedWeight, pack_codes
 from pipelines.errors import require
 
 QUANT_METHOD = "lmpress"
 FORMAT = "lmpress-packed"
 VERSION = 2
-
-
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    return pack_to_int32(codes.to(torch.int8), bits)
 
 
 def packed_weight(compressed) -> PackedWeight:
@@ -62,23 +56,23 @@ def packed_weight(compressed) -> PackedWeight:
         if q is None:
             return PackedWeight(values, None, 16, compressed.keep.shape[1], bitmask=bitmask)
         zero = None if q.spec.symmetric else q.zero.to(torch.int8)
-        return PackedWeight(_pack(values, q.spec.bits), q.scale.half(), q.spec.bits, compressed.keep.shape[1], zero, bitmask=bitmask)
+        return PackedWeight(pack_codes(values, q.spec.bits), q.scale.half(), q.spec.bits, compressed.keep.shape[1], zero, bitmask=bitmask)
     if isinstance(compressed, QuantizedLinear):
         zero = None if compressed.spec.symmetric else compressed.zero.to(torch.int8)
-        return PackedWeight(_pack(compressed.codes, compressed.spec.bits), compressed.scale.half(), compressed.spec.bits, compressed.codes.shape[1], zero)
+        return PackedWeight(pack_codes(compressed.codes, compressed.spec.bits), compressed.scale.half(), compressed.spec.bits, compressed.codes.shape[1], zero)
     # CodebookLinear: indices stored as signed codes, the packer's convention
     codes = compressed.indices.to(torch.int16) - (1 << (compressed.bits - 1))
-    return PackedWeight(_pack(codes, compressed.bits), None, compressed.bits, codes.shape[1], codebook=compressed.codebook.half())
+    return PackedWeight(pack_codes(codes, compressed.bits), None, compressed.bits, codes.shape[1], codebook=compressed.codebook.half())
 
 
-def save_lmpress_packed(model: nn.Module, compressed: dict, folder: Path) -> None:
-    """Write `model` with the given linears (full module names -> QuantizedLinear,
-    CodebookLinear or 2:4 PrunedLinear) stored packed, everything else dense."""
-    require(bool(compressed), "nothing to compress: every linear was skipped")
+def save_lmpress_packed(model: nn.Module, packed: dict[str, PackedWeight], folder: Path) -> None:
+    """Write `model` with the given linears (full module names -> their PackedWeight, see
+    `packed_weight`) stored packed, everything else dense. The linears' own weights are not
+    read (a stage may have released them)."""
+    require(bool(packed), "nothing to compress: every linear was skipped")
     state = dict(model.state_dict())
     modules = {}
-    for name, item in compressed.items():
-        weight = packed_weight(item)
+    for name, weight in packed.items():
         state[f"{name}.weight"] = weight.packed
         state[f"{name}.weight_shape"] = torch.tensor([weight.rows, weight.columns])
         for suffix, tensor in (("scale", weight.scale), ("zero_point", weight.zero), ("codebook", weight.codebook), ("bitmask", weight.bitmask)):

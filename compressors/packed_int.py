@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compressors.grid import GridSpec, QuantizedLinear
+from compressors.grid import GridSpec
 from pipelines.errors import require
 
 FORMAT = "pack-quantized"
@@ -38,20 +38,29 @@ def _weight_args(spec: GridSpec):
     )
 
 
-def save_pack_quantized(model: nn.Module, quantized: dict[str, QuantizedLinear], folder: Path) -> None:
-    """Write `model` with the given linears (full module names) replaced by their packed form.
-    The model is compressed in place; do not use it afterwards."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed codes [out, in] -> int32 words [out, ceil(in * bits / 32)], compressed-tensors' packer."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    require(bool(quantized), "nothing to quantize: every linear was skipped")
+    return pack_to_int32(codes.to(torch.int8), bits)
+
+
+def save_pack_quantized(model: nn.Module, packed: dict[str, "PackedWeight"], grids: dict[str, GridSpec], folder: Path) -> None:
+    """Write `model` with the given linears (full module names -> their PackedWeight, on the
+    grid `grids[name]`) in compressed-tensors' pack-quantized form. The linears' own weights
+    are not read (a stage may have released them); compressed-tensors supplies the config. The
+    model gets compressed-tensors' quantization schemes attached; do not use it afterwards."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, QuantizationStatus, apply_quantization_config
+
+    require(bool(packed), "nothing to quantize: every linear was skipped")
     require(
-        all(q.spec.symmetric for q in quantized.values()),
+        all(grids[name].symmetric for name in packed),
         "asymmetric grids cannot be written as compressed-tensors that transformers reloads; use --symmetric true",
     )
     by_spec: dict[GridSpec, list[str]] = {}
-    for name, q in quantized.items():
-        by_spec.setdefault(q.spec, []).append(name)
+    for name in packed:
+        by_spec.setdefault(grids[name], []).append(name)
     config = QuantizationConfig(
         config_groups={
             f"group_{i}": QuantizationScheme(targets=names, weights=_weight_args(spec))
@@ -59,16 +68,15 @@ def save_pack_quantized(model: nn.Module, quantized: dict[str, QuantizedLinear],
         },
         ignore=[],
     )
-    modules = dict(model.named_modules())
-    for name, q in quantized.items():
-        modules[name].weight.data.copy_(q.dequantized())
+    state = {key: value for key, value in model.state_dict().items() if key.removesuffix(".weight") not in packed}
+    for name, weight in packed.items():
+        state[f"{name}.weight_packed"] = weight.packed
+        state[f"{name}.weight_scale"] = weight.scale
+        state[f"{name}.weight_shape"] = torch.tensor([weight.rows, weight.columns])
     apply_quantization_config(model, config)
-    for name, q in quantized.items():
-        module = modules[name]
-        module.weight_scale = nn.Parameter(q.scale.half(), requires_grad=False)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMAT)
-    compressor.compress_model(model)
-    model.save_pretrained(folder)
+    compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # as written: packed
+    model.save_pretrained(folder, state_dict=state)
     compressor.update_config(folder)
 
 

@@ -325,3 +325,39 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     return LoadedModel(spec=spec, folder=folder, model=model, tokenizer=tokenizer)
+
+
+def map_weights(loaded: LoadedModel, names: list[str] | None = None) -> None:
+    """Point the named parameters (default: the decoder layers' and the input embedding's) at
+    fresh memory maps of the checkpoint, one per tensor (safetensors' `safe_open`), where the
+    stored key, dtype and shape match the loaded one (the bytes are the same; only unmodified
+    parameters may be remapped). transformers maps each file once for the whole model, and
+    every page a stage reads stays resident until the process ends: a stage walking all layers
+    ends up holding the whole model. With a map per tensor, a page is resident only while its
+    tensor is alive, so a stage that releases each layer's weights when it is done with them
+    (`release_weights`) holds about one layer at a time, and remapping a tensor drops the pages
+    read from it so far. The maps are private: writing to a tensor copies the page it touches,
+    never the file."""
+    from safetensors import safe_open
+
+    if names is None:
+        prefix = architecture_of(loaded.config).layers + "."
+        embedding = loaded.model.get_input_embeddings().weight
+        names = [name for name, param in loaded.model.named_parameters() if name.startswith(prefix) or param is embedding]
+    params = dict(loaded.model.named_parameters())
+    for file in weight_files(loaded.folder):
+        with safe_open(file, "pt") as stored:
+            keys = [key for key in stored.keys() if key in set(names)]
+        for key in keys:
+            with safe_open(file, "pt") as stored:  # a map of its own: one tensor alive keeps its whole map
+                tensor = stored.get_tensor(key)
+            if tensor.dtype == params[key].dtype and tensor.shape == params[key].shape:
+                params[key].data = tensor
+
+
+def release_weights(modules) -> None:
+    """Drop the modules' weights, keeping only their shape (on the meta device): what a stage
+    does with weights it has stored in another form, so their memory goes back to the OS.
+    Reading one afterwards fails loudly instead of giving stale numbers."""
+    for module in modules:
+        module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)

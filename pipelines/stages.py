@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from calibrate.corpora import check_disjoint, leading_windows, sample_windows, tokenize_part
-from calibrate.runner import LayerRunner
+from calibrate.runner import LayerRunner, release_free_memory
 from calibrate.stats import BLOCK_INFLUENCE, CALIBRATION_FORMAT, LayerStatisticsCollector
 from compressors.structured import block_influence, keep_layers
 from pipelines.artifact import (
@@ -27,7 +27,9 @@ from pipelines.artifact import (
 )
 from pipelines.errors import LmpressError, require
 from pipelines.evaluation import LMHead, score_windows, size_metrics
-from pipelines.models import architecture_of, decoder_layers, head_dim_of, layer_linears, load_config, load_model, resolve_model
+from pipelines.models import (
+    architecture_of, decoder_layers, head_dim_of, layer_linears, load_config, load_model, map_weights, release_weights, resolve_model,
+)
 from pipelines.progress import progress_bar
 
 
@@ -213,25 +215,35 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
 # --------------------------------------------------------------------------- layer walk
 
 
-def walk_layers(loaded, calib, config, process, advance) -> None:
+def walk_layers(loaded, calib, config, process, advance, finished=None) -> None:
     """Call `process(index, layer, statistics)` for every decoder layer, in order. With
     `config.sequential` the statistics are collected by the layer runner on the model as
     compressed so far (each layer sees the already-compressed layers' outputs, the way GPTQ,
     SparseGPT and Wanda run); otherwise they are the calibration artifact's stored ones, of
-    the uncompressed model (no forward passes). Without `calib` no statistics are needed."""
+    the uncompressed model (no forward passes). Without `calib` no statistics are needed.
+    `finished(index, layer)` is called once the walk is done with a layer (its outputs, if
+    any, have gone on to the next one), then `advance()`."""
+    layers = decoder_layers(loaded.model)
+
+    def done(index: int) -> None:
+        if finished is not None:
+            finished(index, layers[index])
+        advance()
+
     if calib is not None and config.sequential:
-        runner = LayerRunner(
-            loaded.model, calib.input_ids, config.batch_size, on_layer_done=lambda _: advance(), dtype=FORWARD_DTYPES[config.forward_dtype],
-        )
+        runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=done, dtype=FORWARD_DTYPES[config.forward_dtype])
+        embedding = next(name for name, p in loaded.model.named_parameters() if p is loaded.model.get_input_embeddings().weight)
+        map_weights(loaded, [embedding])  # the runner is done with it: a fresh map drops the pages its first pass read
         for index, layer in runner:
             with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
                 runner.forward(layer, propagate=False)
             process(index, layer, collector.statistics())
         return
     base_index = base_layer_indices(read_lineage(loaded.folder))
-    for index, layer in enumerate(decoder_layers(loaded.model)):
+    for index, layer in enumerate(layers):
         process(index, layer, calib.layer(base_index[index] if base_index else index) if calib is not None else {})
-        advance()
+        done(index)
+        release_free_memory()  # as the runner does after each layer
 
 
 def base_layer_indices(lineage: dict | None) -> list[int] | None:
@@ -408,7 +420,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from compressors.awq import awq_layer
     from compressors.gptq import gptq_quantize
     from compressors.grid import round_to_nearest
-    from compressors.lmpress_format import save_lmpress_packed
+    from compressors.lmpress_format import packed_weight, save_lmpress_packed
     from compressors.packed_int import save_pack_quantized
     from compressors.sparsegpt import PrunedLinear, sparsegpt_prune
     from compressors.squeezellm import squeezellm_quantize
@@ -420,7 +432,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     plan = quantization_plan(loaded.model, config, overrides)
     arch = architecture_of(loaded.config)
     prefix = arch.layers
-    quantized = {}
+    packed = {}  # linear name -> PackedWeight, as stored
     if config.method in BITSANDBYTES_METHODS:
         require(not overrides, f"{config.method} (bitsandbytes) takes no per-layer overrides; use rtn, gptq or awq")
         with atomic_directory(out) as tmp:
@@ -453,24 +465,28 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             results = awq_layer(layer, arch, loaded.config, stats, layer_plan)
         for local, q in results.items():
             module, name = layer.get_submodule(local), f"{prefix}.{index}.{local}"
-            # later layers see it; written in place, as the loaded weights are pages of the mmapped
-            # safetensors file that a new tensor would leave resident beside it
-            module.weight.data.copy_(q.dequantized())
+            module.weight.data = q.dequantized()  # what the next layers' inputs go through
             # a 2:4 parent stays 2:4: rtn, awq and masked gptq keep zeros at zero, so only the kept half is stored
-            quantized[name] = PrunedLinear(module.weight.data.float(), sparse[name], q) if name in sparse else q
+            packed[name] = packed_weight(PrunedLinear(module.weight.data.float(), sparse[name], q) if name in sparse else q)
 
+    def release_layer(index, layer):  # its quantized linears are packed now; their weights go
+        release_weights(layer.get_submodule(local) for local in arch.linears if f"{prefix}.{index}.{local}" in packed)
+
+    map_weights(loaded)  # so that releasing a layer's weights gives their memory back
     sparse = sparse_24_masks(loaded.model, chain, plan)
     require(
         not (sparse and config.method in CODEBOOK_METHODS),
         f"{config.method} codebooks do not keep pruned weights at zero; quantize a 2:4 model with rtn, gptq or awq",
     )
     with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
-        walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance)
+        walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance, release_layer)
         if sparse or config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):
-            save_lmpress_packed(loaded.model, quantized, tmp)  # what compressed-tensors cannot carry
+            save_lmpress_packed(loaded.model, packed, tmp)  # what compressed-tensors cannot carry
         else:
-            save_pack_quantized(loaded.model, quantized, tmp)
+            save_pack_quantized(loaded.model, packed, plan, tmp)
         loaded.tokenizer.save_pretrained(tmp)
+        packed.clear()  # written: their memory, and the model's, goes back before the kernels are validated
+        loaded.model = None
         bundle_kernels(tmp)
         validate(tmp)
         record = {"stage": "quantize", "params": asdict(config), "overrides": overrides, **calibration_record(calib)}
@@ -580,7 +596,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     layer-sequential or from the stored statistics), optionally refine the masks, and write
     the dense-with-zeros model (any loader opens it) plus, where a linear is 2:4 sparse or
     quantized, the compressed form lmpress serves with its kernels in `compressed/`."""
-    from compressors.lmpress_format import save_lmpress_packed
+    from compressors.lmpress_format import packed_weight, save_lmpress_packed
     from compressors.gptq import gptq_quantize
     from compressors.sparsegpt import PrunedLinear, sparsegpt_prune
     from compressors.sparsity import keep_mask, magnitude_score, reconstruction_error, refine_mask, wanda_score
@@ -630,7 +646,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
         compressed = {name: form for name, form in served.items() if form is not None}
         if compressed:
             target = tmp / COMPRESSED_FOLDER
-            save_lmpress_packed(loaded.model, compressed, target)
+            save_lmpress_packed(loaded.model, {name: packed_weight(item) for name, item in compressed.items()}, target)
             loaded.tokenizer.save_pretrained(target)
             bundle_kernels(target)
             validate(target)

@@ -164,3 +164,82 @@ def test_bitsandbytes_baselines_reload(tmp_path, tiny_folder, method):
     with torch.no_grad():
         model(torch.randint(0, 49152, (1, 8)))
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_pack_quantized_writer_matches_compressed_tensors_own_compressor(tmp_path, tiny_folder):
+    """lmpress writes the packed tensors from the codes, without reading the (released)
+    weights; the result is what compressed-tensors' own compressor writes from the dequantized
+    weights: the same tensors and the same config, with mixed grids, per channel and a linear
+    left dense."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
+
+    from compressors.lmpress_format import packed_weight
+    from compressors.packed_int import FORMAT, _weight_args, save_pack_quantized
+    from pipelines.models import load_model, release_weights
+
+    grids = {"model.layers.0.mlp.down_proj": GridSpec(8, -1), "model.layers.1.self_attn.q_proj": GridSpec(2, 32)}
+    outputs = {}
+    for writer in ("lmpress", "compressed-tensors"):
+        model = load_model(str(tiny_folder)).model
+        modules = dict(model.named_modules())
+        quantized = {}
+        for name, module in modules.items():
+            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear) and not name.endswith("layers.3.mlp.up_proj"):
+                quantized[name] = round_to_nearest(module.weight.data, grids.get(name, GridSpec(4, 32)))
+        plan = {name: q.spec for name, q in quantized.items()}
+        out = outputs[writer] = tmp_path / writer
+        if writer == "lmpress":
+            release_weights(modules[name] for name in quantized)
+            save_pack_quantized(model, {name: packed_weight(q) for name, q in quantized.items()}, plan, out)
+            continue
+        by_spec = {}
+        for name, spec in plan.items():
+            by_spec.setdefault(spec, []).append(name)
+        groups = sorted(by_spec.items(), key=lambda item: item[1][0])
+        config = QuantizationConfig(
+            config_groups={f"group_{i}": QuantizationScheme(targets=names, weights=_weight_args(spec)) for i, (spec, names) in enumerate(groups)},
+            ignore=[],
+        )
+        for name, q in quantized.items():
+            modules[name].weight.data = q.dequantized()
+        apply_quantization_config(model, config)
+        for name, q in quantized.items():
+            modules[name].weight_scale = torch.nn.Parameter(q.scale.half(), requires_grad=False)
+        compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMAT)
+        compressor.compress_model(model)
+        model.save_pretrained(out)
+        compressor.update_config(out)
+    ours, theirs = (load_file(outputs[w] / "model.safetensors") for w in ("lmpress", "compressed-tensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+    assert "model.layers.3.mlp.up_proj.weight" in ours
+    assert json.loads((outputs["lmpress"] / "config.json").read_text()) == json.loads((outputs["compressed-tensors"] / "config.json").read_text())
+
+
+def _resident_file_mb() -> float:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile")) / 1024
+
+
+def test_mapped_weights_keep_their_values_and_give_their_memory_back(tmp_path, real_model_folder):
+    """`map_weights` points each layer tensor at a map of its own: the values are the
+    checkpoint's, and once a stage releases a layer's weights their pages leave the process
+    (with transformers' one map per file they would stay resident until the end)."""
+    from transformers import LlamaConfig
+
+    from conftest import save_tiny
+    from pipelines.models import load_model, map_weights, release_weights
+
+    config = LlamaConfig(hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8)
+    folder = save_tiny(tmp_path / "mid", config, real_model_folder)  # 4 x 12.6 MB of linears, fp32
+    loaded, reference = load_model(str(folder)), load_model(str(folder)).model.state_dict()
+    map_weights(loaded)
+    linears = [m for layer in loaded.model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    before = _resident_file_mb()
+    for module in linears:
+        module.weight.sum()  # read: every page resident
+    read = _resident_file_mb()
+    assert all(torch.equal(value, reference[key]) for key, value in loaded.model.state_dict().items())
+    after_compare = _resident_file_mb()
+    release_weights(linears)
+    assert read - before > 40 and _resident_file_mb() < after_compare - 40
+    assert all(m.weight.device.type == "meta" and m.weight.shape == (m.out_features, m.in_features) for m in linears)
