@@ -2,18 +2,24 @@
 
     .venv/bin/python benchmarks/llmcompressor_side_by_side.py [--calibration artifacts/calibration]
         [--reference artifacts/reference] [--bits 4,3] [--group-size 64]
-        [--tools llm-compressor,lmpress,lmpress-stored,lmpress-bf16]
+        [--tools llm-compressor,lmpress,lmpress-stored,lmpress-bf16] [--out FILE]
+    .venv/bin/python benchmarks/llmcompressor_side_by_side.py --merge A.json B.json [--out FILE]
 
 llm-compressor is installed by this script into its own environment
-(benchmarks/.venv-llmcompressor, pinned CPU torch 2.13.0, as its transformers and
-compressed-tensors versions differ from lmpress's). Both tools quantize with 4/3-bit symmetric
-group-64 GPTQ, static act-order, damping 0.01, on the calibration artifact's very token
-samples (peak RSS is the child's own VmHWM: getrusage's ru_maxrss would count the
-parent's resident memory at fork, which Linux carries across exec; lmpress layer-sequential in fp32 as llm-compressor here; `lmpress-stored` from the
-calibration artifact's stored statistics, which the calibrate stage made once for every later
-stage; `lmpress-bf16` layer-sequential with bf16 layer passes); each run is its own process, timed, with its peak RSS, under the same thread count
-and CPU affinity (run it as `OMP_NUM_THREADS=1 taskset -c 1 ...` to keep other work off its core). Both artifacts are then scored
-by `lmpress evaluate` against the same base reference. Results:
+(benchmarks/.venv-llmcompressor: CPU torch 2.13.0 and the llm-compressor, compressed-tensors and
+transformers versions pinned below, which differ from lmpress's). Both tools quantize with
+symmetric group-64 GPTQ, static act-order, damping 0.01, on the calibration artifact's very
+token samples. The lmpress tools:
+    lmpress         layer-sequential in fp32, as llm-compressor here
+    lmpress-bf16    layer-sequential with bf16 layer passes (the default pipeline's setting)
+    lmpress-stored  from the calibration artifact's stored statistics (the calibrate stage
+                    makes them once for every later stage)
+    TOOL+clip       the same with `--clip-search`
+Each run is its own process, timed, with its peak RSS (the child's own VmHWM: getrusage's
+ru_maxrss would count the parent's resident memory at fork, which Linux carries across exec),
+under the same thread count and CPU affinity: run one invocation per core, each as
+`OMP_NUM_THREADS=1 taskset -c N ... --out FILE_N`, then `--merge` their .json files. Every
+artifact is scored by `lmpress evaluate` against the same base reference. Results:
 benchmarks/results/llmcompressor_side_by_side.{json,md}.
 """
 
@@ -29,15 +35,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / "benchmarks" / ".venv-llmcompressor"
-LLMCOMPRESSOR = "llmcompressor==0.14.0.1"
+LLMCOMPRESSOR = ["llmcompressor==0.14.0.1", "compressed-tensors==0.19.0", "transformers==5.17.0"]  # as measured
 CORPORA = ("austen-heldout", "pydoc-heldout")
 LMPRESS_RUN = """
 import json, sys, time
 from pathlib import Path
 from pipelines.stages import QuantizeConfig, quantize
 start = time.perf_counter()
-config = QuantizeConfig(method="gptq", bits=int(sys.argv[2]), group_size=int(sys.argv[3]), sequential=sys.argv[5] != "lmpress-stored",
-                        forward_dtype="bfloat16" if sys.argv[5] == "lmpress-bf16" else "float32")
+tool, _, option = sys.argv[5].partition("+")
+config = QuantizeConfig(method="gptq", bits=int(sys.argv[2]), group_size=int(sys.argv[3]), sequential=tool != "lmpress-stored",
+                        forward_dtype="bfloat16" if tool == "lmpress-bf16" else "float32", clip_search=option == "clip")
 quantize("smollm2-135m", Path(sys.argv[1]), Path(sys.argv[4]), config)
 from pipelines.artifact import peak_rss_bytes
 print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(peak_rss_bytes() / 2**20)}))
@@ -54,7 +61,7 @@ def ensure_environment() -> Path:
         subprocess.run([*pip, "torch==2.13.0"], check=True)  # first, so nothing pulls a CUDA build
         constraints = VENV / "constraints.txt"
         constraints.write_text("torch==2.13.0\n")
-        subprocess.run([*pip, "-c", str(constraints), LLMCOMPRESSOR], check=True)
+        subprocess.run([*pip, "-c", str(constraints), *LLMCOMPRESSOR], check=True)
     return python
 
 

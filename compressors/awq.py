@@ -40,9 +40,10 @@ def search_scales(weights: list[torch.Tensor], sigma: torch.Tensor, abs_mean: to
     return best_scales
 
 
-def quantize_with_clipping(weight: torch.Tensor, sigma: torch.Tensor, spec: GridSpec) -> QuantizedLinear:
-    """RTN whose range is clipped per row and group by the ratio that minimizes that group's
-    share of the output error (the group's diagonal block of Sigma)."""
+def clip_ratios(weight: torch.Tensor, sigma: torch.Tensor, spec: GridSpec) -> torch.Tensor:
+    """Per row and group [rows, groups]: the ratio that the group's range is clipped by, the one
+    whose RTN minimizes that group's share of the output error (the group's diagonal block of
+    Sigma). AWQ rounds with these; GPTQ can fit its static grids with them (`clip_search`)."""
     rows, columns = weight.shape
     width = spec.group_width(columns)
     groups = columns // width
@@ -55,7 +56,12 @@ def quantize_with_clipping(weight: torch.Tensor, sigma: torch.Tensor, spec: Grid
             loss = output_error(delta[:, block], sigma[block, block])
             better = loss < best_loss[:, g]
             best_loss[better, g], best_clip[better, g] = loss[better], ratio
-    return round_to_nearest(weight, spec, best_clip)
+    return best_clip
+
+
+def quantize_with_clipping(weight: torch.Tensor, sigma: torch.Tensor, spec: GridSpec) -> QuantizedLinear:
+    """RTN whose range is clipped per row and group by `clip_ratios`."""
+    return round_to_nearest(weight, spec, clip_ratios(weight, sigma, spec))
 
 
 def awq_layer(layer, arch, config, stats: dict, plan: dict[str, GridSpec]) -> dict[str, QuantizedLinear]:

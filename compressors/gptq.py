@@ -71,6 +71,7 @@ def gptq_quantize(
     act_order: bool = False,
     block_size: int = 128,
     codebook: torch.Tensor | None = None,
+    clip_search: bool = False,
 ):
     """weight [out, in], hessian E[x x^T] [in, in] (any positive multiple of X^T X works).
     Returns a QuantizedLinear, or with `codebook` [out, levels] (rows sorted ascending) a
@@ -78,7 +79,9 @@ def gptq_quantize(
 
     With `act_order` columns are processed by decreasing Hessian diagonal (most salient first);
     groups still cover consecutive *original* columns, so their grids are fitted up front on
-    the unquantized weight ("static groups") and the stored layout stays the plain one."""
+    the unquantized weight ("static groups") and the stored layout stays the plain one. With
+    `clip_search` (static groups only) each group's range is first clipped by the ratio whose
+    rounding loses the least output error, AWQ's clip search (compressors/awq.py)."""
     W, H = prepared(weight, hessian)
     rows, columns = W.shape
     width = spec.group_width(columns)
@@ -100,8 +103,13 @@ def gptq_quantize(
         round_column = lambda w, g: quantize(w, scale[:, g], zero[:, g], spec)  # noqa: E731
         value = lambda q, g: dequantize(q, scale[:, g], zero[:, g])  # noqa: E731
     if static and codebook is None:
+        clip = torch.ones(rows, n_groups)
+        if clip_search:
+            from compressors.awq import clip_ratios
+
+            clip = clip_ratios(W, H, spec)
         for g in range(n_groups):
-            scale[:, g : g + 1], zero[:, g : g + 1] = fit_grid(W[:, g * width : (g + 1) * width], spec)
+            scale[:, g : g + 1], zero[:, g : g + 1] = fit_grid(W[:, g * width : (g + 1) * width], spec, clip[:, g : g + 1])
     order = torch.argsort(H.diagonal(), descending=True) if act_order else torch.arange(columns)
     W, H = W[:, order], H[order][:, order]
     codes = torch.zeros(rows, columns)

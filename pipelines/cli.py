@@ -98,6 +98,9 @@ def quantize(
     symmetric: Switch = typer.Option(Switch.true, help="Symmetric grid (zero point 0)."),
     act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
     damp: float = typer.Option(0.01, help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean."),
+    clip_search: Switch = typer.Option(
+        Switch.false, "--clip-search", help="GPTQ (with --act-order): clip each group's range by the ratio that loses the least output error (AWQ's search) before the sweep.",
+    ),
     sequential: Switch = typer.Option(
         Switch.true,
         help="Calibrated methods: re-collect each layer's statistics on the already-quantized model (slower, better) instead of using the stored ones.",
@@ -115,7 +118,8 @@ def quantize(
 
     config = QuantizeConfig(
         method=method, bits=bits, group_size=group_size, symmetric=bool(symmetric), act_order=bool(act_order), damp=damp,
-        sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides, batch_size=batch_size,
+        clip_search=bool(clip_search), sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides,
+        batch_size=batch_size,
     )
     path = run(model, calibration, out, config)
     out_console.print(f"quantized model written to {path}", markup=False, highlight=False)
