@@ -14,7 +14,8 @@ token samples. The lmpress tools:
     lmpress-bf16    layer-sequential with bf16 layer passes (the default pipeline's setting)
     lmpress-stored  from the calibration artifact's stored statistics (the calibrate stage
                     makes them once for every later stage)
-    TOOL+clip       the same with `--clip-search`
+    TOOL+clip       the same with `--clip-search true` (lmpress's default; the tools without
+                    it run GPTQ as llm-compressor does, min-max groups)
 Each run is its own process, timed, with its peak RSS (the child's own VmHWM: getrusage's
 ru_maxrss would count the parent's resident memory at fork, which Linux carries across exec),
 under the same thread count and CPU affinity: run one invocation per core, each as
@@ -85,7 +86,8 @@ def main() -> None:
                         "(runs split over cores: one invocation per core, each pinned with taskset)")
     args = parser.parse_args()
     if args.merge:
-        write_table([row for file in args.merge for row in json.loads(file.read_text())], args.out)
+        rows = [row for file in args.merge for row in json.loads(file.read_text())]
+        write_table(sorted(rows, key=lambda row: -row["bits"]), args.out)  # stable: each bit-width in the files' order
         return
 
     sys.path.insert(0, str(ROOT))

@@ -39,7 +39,8 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
     parser.add_argument(
         "--runs", default=DEFAULT_RUNS,
-        help="method[:bits:group_size[:stored]], comma-separated; ':stored' uses the stored statistics (no forward passes)",
+        help="method[:bits:group_size[:stored][:noclip]], comma-separated; ':stored' uses the stored statistics (no forward "
+        "passes), ':noclip' turns GPTQ's clip search off (min-max groups, as the results before it were measured)",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantize_quality")
     args = parser.parse_args()
@@ -49,7 +50,7 @@ def main() -> None:
     work = scratch_directory()
     for spec in args.runs.split(","):
         method, *rest = spec.split(":")
-        config = QuantizeConfig(method=method, sequential="stored" not in rest)
+        config = QuantizeConfig(method=method, sequential="stored" not in rest, clip_search="noclip" not in rest)
         if len(rest) >= 2:
             config.bits, config.group_size = int(rest[0]), int(rest[1])
         start = time.perf_counter()

@@ -99,7 +99,7 @@ def quantize(
     act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
     damp: float = typer.Option(0.01, help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean."),
     clip_search: Switch = typer.Option(
-        Switch.false, "--clip-search", help="GPTQ (with --act-order): clip each group's range by the ratio that loses the least output error (AWQ's search) before the sweep.",
+        Switch.true, "--clip-search", help="GPTQ with --act-order true (static groups): clip each group's range by the ratio that loses the least output error (AWQ's search) before the sweep.",
     ),
     sequential: Switch = typer.Option(
         Switch.true,

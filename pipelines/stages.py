@@ -313,7 +313,7 @@ class QuantizeConfig:
     symmetric: bool = True
     act_order: bool = True
     damp: float = 0.01
-    clip_search: bool = False  # gptq: fit each static group's grid with AWQ's output-error clip search
+    clip_search: bool = True  # gptq with static groups (act_order): fit each group's grid with AWQ's output-error clip search
     sequential: bool = True
     forward_dtype: str = "float32"  # float32 | bfloat16: the layers' dtype in the sequential passes
     skip: str = ""  # comma-separated regexes of linear names left dense
@@ -323,10 +323,6 @@ class QuantizeConfig:
     def validate(self) -> None:
         require(self.method in QUANTIZE_METHODS, f"unknown method '{self.method}'; use one of {', '.join(QUANTIZE_METHODS)}")
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
-        require(
-            not self.clip_search or (self.method == "gptq" and self.act_order),
-            "--clip-search fits GPTQ's static groups: use it with --method gptq --act-order true",
-        )
         if self.method in CODEBOOK_METHODS:
             from compressors.squeezellm import check_bits
 
@@ -544,10 +540,6 @@ class PruneConfig:
         require(self.method in PRUNE_METHODS, f"unknown pruning method '{self.method}'; use one of {', '.join(PRUNE_METHODS)}")
         parse_pattern(self.pattern)
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
-        require(
-            not self.clip_search or (self.method == "gptq" and self.act_order),
-            "--clip-search fits GPTQ's static groups: use it with --method gptq --act-order true",
-        )
         require(self.refine_cycles >= 0, f"refine cycles must be 0 (off) or positive (got {self.refine_cycles})")
         require(self.bits == 0 or self.method == "sparsegpt", "only sparsegpt quantizes while pruning; pass --bits 0, or quantize afterwards")
         require(
@@ -842,10 +834,6 @@ class KVMergeConfig:
         require(self.method in METHODS, f"unknown method '{self.method}'; use one of {', '.join(METHODS)}")
         require(self.kv_heads >= 1, f"--kv-heads must be at least 1 (got {self.kv_heads})")
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
-        require(
-            not self.clip_search or (self.method == "gptq" and self.act_order),
-            "--clip-search fits GPTQ's static groups: use it with --method gptq --act-order true",
-        )
         require(self.heal_steps >= 0, f"heal steps must be 0 (off) or positive (got {self.heal_steps})")
         require(self.heal_lr > 0, f"heal lr must be positive (got {self.heal_lr})")
         require_positive(samples=self.samples, batch_size=self.batch_size)
