@@ -471,7 +471,11 @@ def assembly_command(units: list[Unit], genome: list[int], levels: LevelsConfig)
     dropped = [str(u.block) for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"]
     first = f"lmpress drop-layers --layers {','.join(dropped)} --out DROPPED, then on DROPPED: " if dropped else ""
     if not _is_prune_plan(units):
-        return first + f"lmpress quantize --method {levels.method} --act-order {str(levels.act_order).lower()} --sequential false --overrides plan.yaml"
+        # the database's GPTQ levels have min-max groups (no clip search), as prune's GPTQ does
+        return first + (
+            f"lmpress quantize --method {levels.method} --act-order {str(levels.act_order).lower()} --clip-search false "
+            "--sequential false --overrides plan.yaml"
+        )
     if any(u.levels[0].startswith("bits") for u in units if not u.is_block):
         return first + f"lmpress prune --method sparsegpt --bits 4 --act-order {str(levels.act_order).lower()} --sequential false --overrides plan.yaml"
     return first + "lmpress prune --method wanda --sequential false --overrides plan.yaml"

@@ -70,7 +70,7 @@ def calibrate(model: str, out: Path, config: CalibrateConfig) -> Path:
         runner = LayerRunner(loaded.model, samples.input_ids, config.batch_size, on_layer_done=lambda _: advance())
         groups, tokens = None, None
         for index, layer in runner:
-            inputs = runner.hidden
+            inputs = list(runner.hidden)  # the runner replaces its batches with the layer's outputs in place
             with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
                 runner.forward(layer)
             require(groups in (None, collector.group), f"layer {index} shares inputs differently from layer 0")
