@@ -140,31 +140,39 @@ class LayerRunner:
         """The (args, kwargs) that `module`, a part of the current layer, is called with on every
         batch. The layer runs only up to that call, so capturing costs almost nothing."""
         captured = []
-
-        class Captured(Exception):
-            pass
-
-        def stop(_, args, kwargs):
-            captured.append((args, kwargs))
-            raise Captured
-
-        handle = module.register_forward_pre_hook(stop, with_kwargs=True)
+        handle = module.register_forward_pre_hook(lambda _, args, kwargs: captured.append((args, kwargs)), with_kwargs=True)
         try:
-            for hidden, args, kwargs in self._batch_calls(layer):
-                try:
-                    layer(hidden, *args, **kwargs)
-                except Captured:
-                    pass
+            self.forward(layer, propagate=False, until=module)
         finally:
             handle.remove()
         return captured
 
     @torch.no_grad()
-    def forward(self, layer: nn.Module, propagate: bool = True) -> None:
+    def forward(self, layer: nn.Module, propagate: bool = True, until: nn.Module | None = None) -> None:
         """Run the current layer on every batch of samples (hooks on it see the real inputs).
-        With `propagate`, its outputs become the inputs of the next layer."""
-        for batch, (hidden, args, kwargs) in enumerate(self._batch_calls(layer)):
-            output = layer(hidden, *args, **kwargs)
-            if propagate:  # in place: a batch's input is dead once its output exists, so one set is held, not two
-                self.hidden[batch] = output
+        With `propagate`, its outputs become the inputs of the next layer. Without, nothing
+        after `until` (a part of the layer), when given, is needed: each batch stops once
+        its pre-hooks have run, so a pass that only collects statistics skips the rest."""
+        assert until is None or not propagate, "a propagating pass needs the whole layer"
+        stop = until.register_forward_pre_hook(_stop) if until is not None else None  # after the hooks already there
+        try:
+            for batch, (hidden, args, kwargs) in enumerate(self._batch_calls(layer)):
+                try:
+                    output = layer(hidden, *args, **kwargs)
+                except _Stopped:
+                    continue
+                if propagate:  # in place: a batch's input is dead once its output exists, so one set is held, not two
+                    self.hidden[batch] = output
+        finally:
+            if stop is not None:
+                stop.remove()
         self._propagated = self._propagated or propagate
+        release_free_memory()  # the pass's transients, so that what runs next (a compressor) starts from its floor
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stop(module, args):
+    raise _Stopped

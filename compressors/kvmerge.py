@@ -65,7 +65,7 @@ class AttentionInputStatistics:
 
     @property
     def second_moment(self) -> torch.Tensor:
-        return self.moments.xtx / self.moments.count
+        return self.moments.second_moment()
 
     @property
     def mean(self) -> torch.Tensor:

@@ -234,9 +234,10 @@ def walk_layers(loaded, calib, config, process, advance, finished=None) -> None:
         runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=done, dtype=FORWARD_DTYPES[config.forward_dtype])
         embedding = next(name for name, p in loaded.model.named_parameters() if p is loaded.model.get_input_embeddings().weight)
         map_weights(loaded, [embedding])  # the runner is done with it: a fresh map drops the pages its first pass read
+        last = architecture_of(loaded.config).mlp[-1]  # the last linear a decoder layer calls
         for index, layer in runner:
             with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
-                runner.forward(layer, propagate=False)
+                runner.forward(layer, propagate=False, until=layer.get_submodule(last))
             process(index, layer, collector.statistics())
         return
     base_index = base_layer_indices(read_lineage(loaded.folder))

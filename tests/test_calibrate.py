@@ -52,6 +52,28 @@ def test_statistics_match_the_inputs_seen_in_a_full_forward():
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_collecting_pass_stops_at_the_last_linear_with_the_same_statistics(family):
+    """A pass that only collects (the sequential stages') stops each batch at down_proj's input:
+    down_proj never runs in it, and the statistics are those of the whole layer's pass."""
+    model = tiny_model(family)
+    input_ids = torch.randint(0, 320, (5, 24), generator=torch.Generator().manual_seed(0))
+    full = _collect(model, input_ids)
+    runner = LayerRunner(model, input_ids, batch_size=2)
+    ran = []
+    for index, layer in runner:
+        handle = layer.mlp.down_proj.register_forward_hook(lambda *_: ran.append(index))
+        with LayerStatisticsCollector(layer_linears(model, layer), model.config) as collector:
+            runner.forward(layer, propagate=False, until=layer.mlp.down_proj)
+        handle.remove()  # before the runner propagates the batches through the whole layer
+        assert collector.group == full[index][0] and collector.tokens == full[index][2]
+        tensors = collector.tensors()
+        assert tensors.keys() == full[index][1].keys()
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor, full[index][1][name]), name
+    assert ran == []
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_bfloat16_forward_keeps_the_weights_and_approximates_the_statistics(family):
     """Layers run in bf16 for speed: the model's fp32 weights come back untouched (not cast
     back and forth), hidden states are held in bf16, and the statistics stay within bf16's
