@@ -50,7 +50,7 @@ def main() -> None:
     work = scratch_directory()
     for spec in args.runs.split(","):
         method, *rest = spec.split(":")
-        config = QuantizeConfig(method=method, sequential="stored" not in rest, clip_search="noclip" not in rest)
+        config = QuantizeConfig(method=method, sequential="stored" not in rest, clip_search=False if "noclip" in rest else None)
         if len(rest) >= 2:
             config.bits, config.group_size = int(rest[0]), int(rest[1])
         start = time.perf_counter()

@@ -98,8 +98,9 @@ def quantize(
     symmetric: Switch = typer.Option(Switch.true, help="Symmetric grid (zero point 0)."),
     act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
     damp: float = typer.Option(0.01, help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean."),
-    clip_search: Switch = typer.Option(
-        Switch.true, "--clip-search", help="GPTQ with --act-order true (static groups): clip each group's range by the ratio that loses the least output error (AWQ's search) before the sweep.",
+    clip_search: Optional[Switch] = typer.Option(
+        None, "--clip-search", show_default="true for gptq with --act-order true",
+        help="GPTQ with --act-order true (static groups): clip each group's range by the ratio that loses the least output error (AWQ's search) before the sweep.",
     ),
     sequential: Switch = typer.Option(
         Switch.true,
@@ -118,7 +119,7 @@ def quantize(
 
     config = QuantizeConfig(
         method=method, bits=bits, group_size=group_size, symmetric=bool(symmetric), act_order=bool(act_order), damp=damp,
-        clip_search=bool(clip_search), sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides,
+        clip_search=None if clip_search is None else bool(clip_search), sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides,
         batch_size=batch_size,
     )
     path = run(model, calibration, out, config)

@@ -314,7 +314,7 @@ class QuantizeConfig:
     symmetric: bool = True
     act_order: bool = True
     damp: float = 0.01
-    clip_search: bool = True  # gptq with static groups (act_order): fit each group's grid with AWQ's output-error clip search
+    clip_search: bool | None = None  # gptq with static groups (act_order): fit each group's grid with AWQ's output-error clip search; None: on where it applies
     sequential: bool = True
     forward_dtype: str = "float32"  # float32 | bfloat16: the layers' dtype in the sequential passes
     skip: str = ""  # comma-separated regexes of linear names left dense
@@ -324,6 +324,13 @@ class QuantizeConfig:
     def validate(self) -> None:
         require(self.method in QUANTIZE_METHODS, f"unknown method '{self.method}'; use one of {', '.join(QUANTIZE_METHODS)}")
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+        static_groups = self.method == "gptq" and self.act_order
+        require(
+            not self.clip_search or static_groups,
+            "--clip-search fits GPTQ's static groups: use it with --method gptq --act-order true, or pass --clip-search false",
+        )
+        if self.clip_search is None:
+            self.clip_search = static_groups  # the default: on wherever it applies (recorded as resolved in the lineage)
         if self.method in CODEBOOK_METHODS:
             from compressors.squeezellm import check_bits
 

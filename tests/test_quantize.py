@@ -116,6 +116,7 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert "group size 64 does not divide the input width 96 of model.layers.0.mlp.down_proj" in error("--method", "rtn", "--group-size", "64")
     assert "unknown method 'awq2'" in error("--method", "awq2")
     assert "forward dtype must be float32 or bfloat16 (got 'float16')" in error("--forward-dtype", "float16")
+    assert "--clip-search fits GPTQ's static groups" in error("--method", "rtn", "--clip-search", "true")
     assert "needs --calibration" in error("--method", "gptq")
     assert "nf4 on the CPU needs input widths that are multiples of 64" in error("--method", "nf4")  # down_proj is 96 wide
 
