@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
@@ -33,21 +34,15 @@ CALIBRATION_FORMAT = "lmpress-calibration/1"
 BLOCK_INFLUENCE = "block.influence"  # 1 - mean cos(layer input, layer output) over all tokens
 
 
-def gram_lower(x: torch.Tensor) -> torch.Tensor:
-    """The lower triangle of x^T x (zeros above) for x [tokens, features], in fp32. On the CPU
-    through BLAS's syrk, which computes just one triangle: half the multiply-adds of x.T @ x
-    (torch has no syrk call), and a sequential stage's largest cost after the layer forwards."""
-    if x.device.type != "cpu":
-        return torch.tril(x.T @ x)
-    from scipy.linalg.blas import ssyrk
-
-    # x.T is Fortran-ordered (no copy); syrk's Fortran upper triangle, transposed, is a
-    # C-ordered lower one, which adds onto a C-ordered sum 5x faster than a strided view
-    return torch.from_numpy(ssyrk(1.0, x.contiguous().numpy().T)).T
-
-
 class Moments:
-    """Running sums over a linear's input tokens, in fp64: x^T x (its lower triangle), x, |x|."""
+    """Running sums over a linear's input tokens, in fp64: x^T x (its lower triangle), x, |x|.
+
+    On the CPU a batch's x^T x is summed in fp32 by BLAS syrk, straight into a buffer kept
+    between batches, and added onto the fp64 sum once per batch. syrk computes one triangle:
+    half the multiply-adds of x.T @ x (torch has no syrk call). This runs in a sequential
+    stage's collecting pass, its memory peak and, after the layer's own matmuls, its largest
+    cost; so the tokens are converted to fp32 1024 at a time into a kept buffer too, and no
+    per-chunk product is allocated: no fragmenting heap, few fp64 additions."""
 
     CHUNK = 1024  # tokens converted to fp32 at a time
 
@@ -56,17 +51,35 @@ class Moments:
         self.xtx_lower = torch.zeros(features, features, dtype=torch.float64)
         self.sum = torch.zeros(features, dtype=torch.float64)
         self.abs_sum = torch.zeros(features, dtype=torch.float64)
+        self._tokens: torch.Tensor | None = None  # fp32 [CHUNK, features] scratch
+        self._batch_gram: np.ndarray | None = None  # fp32, Fortran order: syrk's in-place output
 
     def add(self, x: torch.Tensor) -> None:
-        # fp32 products over a chunk of tokens at a time: this hook runs at a stage's memory peak,
-        # where a bf16 batch's whole fp32 copy would be the largest thing alive; fp64 sums are
-        # exact enough over 10^5 tokens
         x = x.reshape(-1, x.shape[-1])
-        for chunk in x.split(self.CHUNK):
-            chunk = chunk.float()
-            self.xtx_lower += gram_lower(chunk).cpu()
-            self.sum += chunk.sum(0).cpu()
-            self.abs_sum += chunk.abs().sum(0).cpu()
+        if x.device.type != "cpu":
+            for chunk in x.split(self.CHUNK):
+                chunk = chunk.float()
+                self.xtx_lower += torch.tril(chunk.T @ chunk).cpu()
+                self.sum += chunk.sum(0).cpu()
+                self.abs_sum += chunk.abs().sum(0).cpu()
+            self.count += x.shape[0]
+            return
+        from scipy.linalg.blas import ssyrk
+
+        features = x.shape[-1]
+        if self._tokens is None:
+            self._tokens = torch.empty(self.CHUNK, features)
+            self._batch_gram = np.zeros((features, features), dtype=np.float32, order="F")  # never-written half stays 0
+        for i, chunk in enumerate(x.split(self.CHUNK)):
+            tokens = self._tokens[: chunk.shape[0]]
+            tokens.copy_(chunk)
+            # tokens.T is Fortran-ordered (no copy); the Fortran upper triangle syrk writes
+            # (beta 0 on a batch's first chunk: overwritten, not read) is a C-ordered lower one
+            ssyrk(1.0, tokens.numpy().T, beta=float(i > 0), c=self._batch_gram, overwrite_c=1)
+            self.sum += tokens.sum(0)
+            self.abs_sum += tokens.abs_().sum(0)
+        # numpy casts fp32 -> fp64 in small buffers; torch's mixed-dtype += would allocate an fp64 copy
+        np.add(self.xtx_lower.numpy(), self._batch_gram.T, out=self.xtx_lower.numpy())
         self.count += x.shape[0]
 
     def second_moment(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -263,7 +263,14 @@ class LoadedModel:
     spec: str
     folder: Path
     model: nn.Module
-    tokenizer: object
+
+    @cached_property
+    def tokenizer(self):
+        """Loaded on first use: a stage that only writes it beside its output does not hold it
+        (tens of MB) through its layer passes, its memory peak."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.folder, trust_remote_code=False)
 
     @property
     def config(self):
@@ -299,14 +306,21 @@ def _load_with_layer_widths(folder: Path, config, dtype: torch.dtype) -> nn.Modu
     return model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Resolve, check and load a causal LM and its tokenizer, in eval mode, on the CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Resolve, check and load a causal LM in eval mode, on the CPU (its tokenizer on first use)."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     folder = resolve_model(spec)
     config = load_config(folder)
     check_weight_files(folder)
+    require(
+        any((folder / name).is_file() for name in TOKENIZER_FILES),
+        f"{folder} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the base model's tokenizer files there",
+    )
     hf_logging.disable_progress_bar()
     if (getattr(config, "quantization_config", None) or {}).get("quant_method") == "lmpress":
         from pipelines.serving import load_lmpress_packed
@@ -323,8 +337,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         # Kernels that run the packed form are swapped in by the serving loader instead.
         quantizer.compressor.decompress_model(model)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    return LoadedModel(spec=spec, folder=folder, model=model, tokenizer=tokenizer)
+    return LoadedModel(spec=spec, folder=folder, model=model)
 
 
 def map_weights(loaded: LoadedModel, names: list[str] | None = None) -> None:

@@ -56,6 +56,14 @@ def test_truncated_safetensors(tmp_path, tiny_folder):
     assert_user_error(run_cli("calibrate", "--model", tiny_folder, "--out", out, *SMALL), "is truncated", out)
 
 
+def test_model_without_tokenizer(tmp_path, tiny_folder):
+    # the tokenizer is loaded on first use, often at a stage's end: its absence must stop the stage first
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"):
+        (tiny_folder / name).unlink(missing_ok=True)
+    out = tmp_path / "q"
+    assert_user_error(run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--out", out), "has no tokenizer", out)
+
+
 def test_corpus_shorter_than_samples_times_length(tmp_path):
     (tmp_path / "short.txt").write_text("Too short to calibrate on.")
     out = tmp_path / "cal"
