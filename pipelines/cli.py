@@ -87,6 +87,18 @@ def evaluate(
     out_console.print(metrics_table(metrics))
 
 
+def clip_search_option(method: str):
+    """--clip-search, as quantize, prune and levels take it (None: the stage's default)."""
+    return typer.Option(
+        None, "--clip-search", show_default=f"true for {method} with --act-order true",
+        help=f"{method} with --act-order true (static groups): clip each GPTQ group's range by the ratio that loses the least output error (AWQ's search) before the sweep.",
+    )
+
+
+def optional_switch(value: "Switch | None") -> bool | None:
+    return None if value is None else bool(value)
+
+
 @app.command()
 def quantize(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the quantized model; replaced only when complete."),
@@ -98,10 +110,7 @@ def quantize(
     symmetric: Switch = typer.Option(Switch.true, help="Symmetric grid (zero point 0)."),
     act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
     damp: float = typer.Option(0.01, help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean."),
-    clip_search: Optional[Switch] = typer.Option(
-        None, "--clip-search", show_default="true for gptq with --act-order true",
-        help="GPTQ with --act-order true (static groups): clip each group's range by the ratio that loses the least output error (AWQ's search) before the sweep.",
-    ),
+    clip_search: Optional[Switch] = clip_search_option("gptq"),
     sequential: Switch = typer.Option(
         Switch.true,
         help="Calibrated methods: re-collect each layer's statistics on the already-quantized model (slower, better) instead of using the stored ones.",
@@ -119,7 +128,7 @@ def quantize(
 
     config = QuantizeConfig(
         method=method, bits=bits, group_size=group_size, symmetric=bool(symmetric), act_order=bool(act_order), damp=damp,
-        clip_search=None if clip_search is None else bool(clip_search), sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides,
+        clip_search=optional_switch(clip_search), sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides,
         batch_size=batch_size,
     )
     path = run(model, calibration, out, config)
@@ -140,6 +149,7 @@ def prune(
     group_size: int = typer.Option(64, "--group-size", help="With --bits: input columns sharing one scale (32, 64, 128 or -1)."),
     symmetric: Switch = typer.Option(Switch.true, help="With --bits: symmetric grid (zero point 0)."),
     act_order: Switch = typer.Option(Switch.true, "--act-order", help="sparsegpt: GPTQ's column order for linears a plan leaves dense (pattern 0) but quantizes."),
+    clip_search: Optional[Switch] = clip_search_option("sparsegpt (linears a plan leaves dense but quantizes)"),
     damp: float = typer.Option(0.01, help="sparsegpt: dampening added to the Hessian diagonal, as a fraction of its mean."),
     sequential: Switch = typer.Option(
         Switch.true, help="Re-collect each layer's statistics on the already-pruned model (slower, better) instead of using the stored ones.",
@@ -157,7 +167,8 @@ def prune(
     config = PruneConfig(
         method=method, pattern=pattern if pattern is not None else str(sparsity) if sparsity is not None else "2:4", 
         refine_cycles=refine_cycles or (50 if refine else 0), bits=bits, group_size=group_size, symmetric=bool(symmetric),
-        act_order=bool(act_order), damp=damp, sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides, batch_size=batch_size,
+        act_order=bool(act_order), clip_search=optional_switch(clip_search), damp=damp, sequential=bool(sequential), forward_dtype=forward_dtype,
+        skip=skip, overrides=overrides, batch_size=batch_size,
     )
     path = run(model, calibration, out, config)
     out_console.print(f"pruned model written to {path}", markup=False, highlight=False)
@@ -217,6 +228,7 @@ def levels(
     group_size: str = typer.Option("64", help="Group sizes (input columns sharing one scale), each with every bit-width, e.g. 64,128 (-1: per channel)."),
     method: str = typer.Option("gptq", help="gptq or rtn, from the calibration's stored statistics."),
     act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
+    clip_search: Optional[Switch] = clip_search_option("gptq"),
     sparse24: Switch = typer.Option(Switch.false, "--sparse24", help="Each bits level also 2:4 sparse with its kept weights quantized (SparseGPT), for 2:4 on/off."),
     sparsity: str = typer.Option("", help="Unstructured sparsity levels (Wanda), e.g. 0.4,0.5,0.6,0.7,0.8 ('' for none)."),
     drop: Switch = typer.Option(Switch.false, "--drop", help="Let the search drop whole decoder blocks too."),
@@ -224,7 +236,8 @@ def levels(
     """Compress every linear once at every level: the database `lmpress search` picks from."""
     from pipelines.levels import LevelsConfig, level_database
 
-    config = LevelsConfig(bits=bits, group_size=group_size, method=method, act_order=bool(act_order), sparse24=bool(sparse24),
+    config = LevelsConfig(bits=bits, group_size=group_size, method=method, act_order=bool(act_order), clip_search=optional_switch(clip_search),
+                          sparse24=bool(sparse24),
                           sparsity=sparsity, drop=bool(drop))
     path = level_database(model, calibration, out, config)
     out_console.print(f"level database written to {path}", markup=False, highlight=False)

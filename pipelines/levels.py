@@ -42,7 +42,7 @@ from pipelines.evaluation import LMHead, score_windows
 from pipelines.latency import LatencyTable
 from pipelines.models import architecture_of, decoder_layers, layer_linears
 from pipelines.progress import progress_bar
-from pipelines.stages import begin_stage, calibration_record, number_list, planned_linears, require_positive
+from pipelines.stages import begin_stage, calibration_record, number_list, planned_linears, require_positive, resolve_clip_search
 
 LEVELS_FORMAT = "lmpress-levels"
 LEVELS_VERSION = 2  # 2: group sizes and 2:4 levels, costs in stored bits
@@ -79,6 +79,7 @@ class LevelsConfig:
     group_size: str = "64"  # group sizes, each combined with every bit-width (-1: per channel)
     method: str = "gptq"  # gptq | rtn, symmetric grids, from the stored statistics
     act_order: bool = True
+    clip_search: bool | None = None  # GPTQ's static groups clipped as quantize's are (None: on where it applies)
     damp: float = 0.01
     sparse24: bool = False  # each bits level also as 2:4 sparse + quantized (SparseGPT, jointly)
     sparsity: str = ""  # unstructured sparsity levels (Wanda), e.g. "0.4,0.5,0.6,0.7,0.8"; "" for none
@@ -110,6 +111,7 @@ class LevelsConfig:
         from compressors.sparsity import parse_pattern
 
         require(self.method in LEVELS_METHODS, f"unknown method '{self.method}'; the level database takes {' or '.join(LEVELS_METHODS)}")
+        self.clip_search = resolve_clip_search(self.clip_search, self.method == "gptq" and self.act_order, "--method gptq --act-order true")
         for bits in self.bit_levels:
             for group_size in self.group_sizes:
                 GridSpec(bits, group_size)
@@ -153,7 +155,7 @@ def level_database(model: str, calibration: Path | None, out: Path, config: Leve
                         pruned = sparsegpt_prune(weight, stats[local].second_moment, parse_pattern("2:4"), config.damp, grid=grid)
                         q, entry[f"{name}.keep"] = pruned.quantized, pack_bitmask(pruned.keep)
                     elif config.method == "gptq":
-                        q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order)
+                        q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order, clip_search=config.clip_search)
                     else:
                         q = round_to_nearest(weight, grid)
                     tensors[level] |= entry | {f"{name}.codes": q.codes.contiguous(), f"{name}.scale": q.scale.half().contiguous()}
@@ -186,7 +188,7 @@ class LevelDatabase:
             self.manifest.get("format") == LEVELS_FORMAT and self.manifest.get("version") == LEVELS_VERSION,
             f"{self.folder} is not an lmpress level database of version {LEVELS_VERSION}; rebuild it with `lmpress levels`",
         )
-        self.config = LevelsConfig(**self.manifest["params"])
+        self.config = LevelsConfig(**{"clip_search": False, **self.manifest["params"]})  # databases from before clip search: min-max
         self._cache: dict[str, dict[str, torch.Tensor]] = {}
 
     def check_model(self, chain: list[dict]) -> None:
@@ -470,14 +472,11 @@ def assembly_command(units: list[Unit], genome: list[int], levels: LevelsConfig)
     """The stage commands that build the searched model from the plan (search.json's hint)."""
     dropped = [str(u.block) for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"]
     first = f"lmpress drop-layers --layers {','.join(dropped)} --out DROPPED, then on DROPPED: " if dropped else ""
+    gptq = f"--act-order {str(levels.act_order).lower()} --clip-search {str(bool(levels.clip_search)).lower()}"  # as the database's levels
     if not _is_prune_plan(units):
-        # the database's GPTQ levels have min-max groups (no clip search), as prune's GPTQ does
-        return first + (
-            f"lmpress quantize --method {levels.method} --act-order {str(levels.act_order).lower()} --clip-search false "
-            "--sequential false --overrides plan.yaml"
-        )
+        return first + f"lmpress quantize --method {levels.method} {gptq} --sequential false --overrides plan.yaml"
     if any(u.levels[0].startswith("bits") for u in units if not u.is_block):
-        return first + f"lmpress prune --method sparsegpt --bits 4 --act-order {str(levels.act_order).lower()} --sequential false --overrides plan.yaml"
+        return first + f"lmpress prune --method sparsegpt --bits 4 {gptq} --sequential false --overrides plan.yaml"
     return first + "lmpress prune --method wanda --sequential false --overrides plan.yaml"
 
 

@@ -238,7 +238,9 @@ def walk_layers(loaded, calib, config, process, advance, finished=None) -> None:
         for index, layer in runner:
             with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
                 runner.forward(layer, propagate=False, until=layer.get_submodule(last))
-            process(index, layer, collector.statistics())
+            statistics = collector.statistics()
+            del collector  # its fp64 sums and buffers, before the compressor's own working memory
+            process(index, layer, statistics)
         return
     base_index = base_layer_indices(read_lineage(loaded.folder))
     for index, layer in enumerate(layers):
@@ -306,6 +308,14 @@ FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
 
 
+def resolve_clip_search(clip_search: bool | None, static_groups: bool, needs: str) -> bool:
+    """--clip-search as a stage runs it: None (the default) is on wherever GPTQ has static
+    groups, the only grids it fits; an explicit on elsewhere is refused. The resolved value is
+    what the lineage records."""
+    require(not clip_search or static_groups, f"--clip-search fits GPTQ's static groups: use it with {needs}, or pass --clip-search false")
+    return static_groups if clip_search is None else clip_search
+
+
 @dataclass
 class QuantizeConfig:
     method: str = "gptq"
@@ -324,13 +334,7 @@ class QuantizeConfig:
     def validate(self) -> None:
         require(self.method in QUANTIZE_METHODS, f"unknown method '{self.method}'; use one of {', '.join(QUANTIZE_METHODS)}")
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
-        static_groups = self.method == "gptq" and self.act_order
-        require(
-            not self.clip_search or static_groups,
-            "--clip-search fits GPTQ's static groups: use it with --method gptq --act-order true, or pass --clip-search false",
-        )
-        if self.clip_search is None:
-            self.clip_search = static_groups  # the default: on wherever it applies (recorded as resolved in the lineage)
+        self.clip_search = resolve_clip_search(self.clip_search, self.method == "gptq" and self.act_order, "--method gptq --act-order true")
         if self.method in CODEBOOK_METHODS:
             from compressors.squeezellm import check_bits
 
@@ -535,6 +539,7 @@ class PruneConfig:
     group_size: int = 64
     symmetric: bool = True
     act_order: bool = True  # GPTQ's column order, for linears a plan leaves dense but quantized
+    clip_search: bool | None = None  # those linears' static groups clipped as quantize's are; None: on where it applies
     damp: float = 0.01
     sequential: bool = True
     forward_dtype: str = "float32"
@@ -550,6 +555,7 @@ class PruneConfig:
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
         require(self.refine_cycles >= 0, f"refine cycles must be 0 (off) or positive (got {self.refine_cycles})")
         require(self.bits == 0 or self.method == "sparsegpt", "only sparsegpt quantizes while pruning; pass --bits 0, or quantize afterwards")
+        self.clip_search = resolve_clip_search(self.clip_search, self.method == "sparsegpt" and self.act_order, "--method sparsegpt --act-order true")
         require(
             not (self.refine and self.bits),
             "--refine changes the mask after pruning, which a joint quantization cannot follow; prune with --refine, then quantize",
@@ -628,7 +634,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
                 continue
             (pattern, grid), weight = plan[name], layer.get_submodule(local).weight.data
             if config.method == "sparsegpt" and grid is not None and pattern.sparsity == 0:  # a dense linear of a plan: GPTQ
-                q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order)
+                q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order, clip_search=config.clip_search)
                 result = PrunedLinear(q.dequantized(), torch.ones_like(weight, dtype=torch.bool), q)
             elif config.method == "sparsegpt":
                 result = sparsegpt_prune(weight, stats[local].second_moment, pattern, config.damp, grid=grid)

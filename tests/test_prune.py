@@ -156,6 +156,7 @@ def test_prune_bad_input_fails_cleanly(tmp_path, tiny_folder, tiny_calibration, 
         (dict(pattern="3:7"), "needs input widths divisible by 7; model.layers.0.self_attn.q_proj is 64 wide"),
         (dict(method="sparsegpt", bits=4, refine_cycles=50), "prune with --refine, then quantize"),
         (dict(method="wanda", bits=4), "only sparsegpt quantizes while pruning"),
+        (dict(method="sparsegpt", bits=4, act_order=False, clip_search=True), "--clip-search fits GPTQ's static groups: use it with --method sparsegpt"),
         (dict(method="obs"), "unknown pruning method 'obs'"),
     ]
     for settings, message in cases:

@@ -154,10 +154,11 @@ def test_search_plan_feeds_quantize_and_is_reproducible(tmp_path, tiny_setup):
     assert {setting["bits"] for setting in plan.values()} <= {2, 4, 8} and len(plan) == 4 * 7
     assert not leftovers(first)
 
-    # quantize with the plan gives exactly the weights the search scored
+    # quantize with the plan, as the report's hint says, gives exactly the weights the search scored
+    assert "lmpress quantize --method gptq --act-order true --clip-search true --sequential false" in report["assemble"]
     quantized = tmp_path / "q"
     result = run_cli("quantize", "--model", model, "--calibration", calibration, "--method", "gptq", "--sequential", "false",
-                     "--clip-search", "false", "--group-size", "32", "--overrides", first / "plan.yaml", "--out", quantized)
+                     "--group-size", "32", "--overrides", first / "plan.yaml", "--out", quantized)
     assert result.returncode == 0, result.stderr
     from pipelines.models import load_model
 
@@ -262,7 +263,7 @@ def test_joint_plan_with_dropped_blocks_assembles_through_the_stages(tmp_path, t
     result = run_cli("drop-layers", "--model", model, "--layers", "1", "--out", shallow)
     assert result.returncode == 0, result.stderr
     result = run_cli("quantize", "--model", shallow, "--calibration", calibration, "--method", "gptq", "--sequential", "false",
-                     "--clip-search", "false", "--group-size", "32", "--overrides", plan / "plan.yaml", "--out", quantized)
+                     "--group-size", "32", "--overrides", plan / "plan.yaml", "--out", quantized)
     assert result.returncode == 0, result.stderr
     served = dict(load_model(str(quantized)).model.named_modules())
     for unit, level in zip(units, genome):
