@@ -31,14 +31,16 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     params["kv_merge"].update(samples=2, batch_size=2)
     params["draft"].update(layers=2, prompts=2, prompt_len=16, new_tokens=8, real_windows=2, steps=2, batch_size=2)
     params["speculation"].update(prompts=2, prompt_len=32, new_tokens=8, lookahead="2")
-    params["levels"].update(bits="2,4", method="rtn")
+    params["levels"].update(bits="2,4", method="rtn", clip_search=False)  # clip search is GPTQ's
     params["search"].update(generations=2, offspring=2, selection="1:1", seq_len=32)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     dvc("init", "-q", cwd=tmp_path)
+    shutil.copy(ROOT / ".dvc/config", tmp_path / ".dvc/config")  # the shipped cache settings (linked, not copied)
 
     dvc("repro", cwd=tmp_path)
-    assert (tmp_path / "artifacts/calibration/stats/layer_029.safetensors").is_file()
+    stats = tmp_path / "artifacts/calibration/stats/layer_029.safetensors"
+    assert stats.stat().st_nlink >= 2  # linked to its cache entry, not a second copy
     assert (tmp_path / "artifacts/reference/lm_head.safetensors").is_file()
     assert (tmp_path / "artifacts/quantized/lineage.json").is_file()
     assert (tmp_path / "artifacts/pruned/compressed/validation.json").is_file()
