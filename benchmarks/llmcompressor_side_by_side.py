@@ -96,7 +96,7 @@ def main() -> None:
     from pipelines.models import resolve_model
     from pipelines.stages import EvaluateConfig, evaluate
 
-    python = ensure_environment()
+    python = ensure_environment() if "llm-compressor" in args.tools.split(",") else None  # its own venv, built once
     model_folder = resolve_model("smollm2-135m")
     work = Path(tempfile.mkdtemp())
     rows = []
