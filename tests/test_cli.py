@@ -58,7 +58,9 @@ def test_truncated_safetensors(tmp_path, tiny_folder):
 
 def test_model_without_tokenizer(tmp_path, tiny_folder):
     # the tokenizer is loaded on first use, often at a stage's end: its absence must stop the stage first
-    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"):
+    from pipelines.models import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
         (tiny_folder / name).unlink(missing_ok=True)
     out = tmp_path / "q"
     assert_user_error(run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--out", out), "has no tokenizer", out)
