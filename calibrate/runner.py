@@ -96,7 +96,12 @@ class LayerRunner:
             def forward(hidden_states, *args, **kwargs):
                 calls[index].append((args, kwargs))
                 if index == 0:
-                    hidden.append(hidden_states if self.dtype is None else hidden_states.to(self.dtype))
+                    if not hidden:  # the first batch: now the shape is known, one buffer for all samples
+                        buffer = hidden_states.new_empty((len(input_ids), *hidden_states.shape[1:]), dtype=self.dtype)
+                        hidden.extend(buffer.split(batch_size))
+                    hidden[len(calls[0]) - 1].copy_(hidden_states)
+                if index == len(self.layers) - 1:
+                    raise _Stopped  # nothing after the last layer is needed (the final norm's transients are skipped)
                 return hidden_states
 
             return forward
@@ -105,7 +110,10 @@ class LayerRunner:
             layer.forward = recorder(index)  # instance attribute shadows the class's forward
         try:
             for batch in input_ids.split(batch_size):
-                self.model.base_model(input_ids=batch.to(self.device), use_cache=False)
+                try:
+                    self.model.base_model(input_ids=batch.to(self.device), use_cache=False)
+                except _Stopped:
+                    pass
         finally:
             for layer in self.layers:
                 del layer.forward
@@ -162,7 +170,7 @@ class LayerRunner:
                 except _Stopped:
                     continue
                 if propagate:  # in place: a batch's input is dead once its output exists, so one set is held, not two
-                    self.hidden[batch] = output
+                    self.hidden[batch].copy_(output)
         finally:
             if stop is not None:
                 stop.remove()

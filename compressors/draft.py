@@ -49,14 +49,7 @@ def teacher_pass(target: nn.Module, sequences: torch.Tensor, batch_size: int) ->
     """The target's final (normed) hidden states [n, T, hidden] on `sequences`, and per decoder
     layer its block influence (1 - mean cos(input, output)) on the same tokens."""
     influences = [BlockInfluence() for _ in decoder_layers(target)]
-
-    def recorder(influence: BlockInfluence):
-        def hook(module, args, kwargs, output):
-            influence.add(args[0] if args else kwargs["hidden_states"], output[0] if isinstance(output, tuple) else output)
-
-        return hook
-
-    handles = [layer.register_forward_hook(recorder(i), with_kwargs=True) for layer, i in zip(decoder_layers(target), influences)]
+    handles = [layer.register_forward_hook(i.hook, with_kwargs=True) for layer, i in zip(decoder_layers(target), influences)]
     try:
         hidden = [target.base_model(input_ids=batch, use_cache=False).last_hidden_state.float() for batch in sequences.split(batch_size)]
     finally:

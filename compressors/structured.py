@@ -208,16 +208,13 @@ class BlockInfluence:
         cos = torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1)
         self.total, self.count = self.total + cos.sum().item(), self.count + cos.numel()
 
+    def hook(self, module, args, kwargs, output) -> None:
+        """As a decoder layer's forward hook (registered `with_kwargs=True`): adds each call."""
+        self.add(args[0] if args else kwargs["hidden_states"], output[0] if isinstance(output, tuple) else output)
+
     @property
     def value(self) -> float:
         return 1 - self.total / self.count
-
-
-def block_influence(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> float:
-    influence = BlockInfluence()
-    for x, y in zip(inputs, outputs):
-        influence.add(x, y)
-    return influence.value
 
 
 class LayerSubset:

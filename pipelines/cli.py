@@ -40,6 +40,9 @@ MODEL_HELP = "Model: a local Hugging Face folder, a hub id (org/name, when onlin
 RECOVERY_STEPS = typer.Option(0, "--recovery-steps", help="Distill from the parent for this many batches of calibration tokens (0: off).")
 RECOVERY_LR = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation.")
 RECOVERY_BATCH_SIZE = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step.")
+SEQUENTIAL_BATCH_SIZE = typer.Option(
+    4, "--batch-size", help="Calibration windows per forward pass of the sequential mode (8 runs as fast, with a higher memory peak).",
+)
 
 
 @app.command()
@@ -121,7 +124,7 @@ def quantize(
     ),
     skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'layers\\.0\\.,down_proj'."),
     overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to {bits, group_size, symmetric} (per-layer plan)."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Calibration windows per forward pass."),
+    batch_size: int = SEQUENTIAL_BATCH_SIZE,
 ):
     """Quantize the decoder's linears: a compressed-tensors (pack-quantized) model that stock transformers loads, or lmpress-packed for codebooks and asymmetric grids."""
     from pipelines.stages import QuantizeConfig, quantize as run
@@ -157,7 +160,7 @@ def prune(
     forward_dtype: str = typer.Option("float32", "--forward-dtype", help="Sequential mode: dtype of the layer passes, float32 or bfloat16."),
     skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'down_proj'."),
     overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to a pattern (\"4:8\"), a sparsity (0.6) or {pattern, bits, group_size}: the per-layer plan."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Calibration windows per forward pass."),
+    batch_size: int = SEQUENTIAL_BATCH_SIZE,
 ):
     """Prune the decoder's linears: a dense-with-zeros model any loader opens, plus the compressed 2:4 form lmpress serves."""
     from pipelines.stages import PruneConfig, prune as run
