@@ -4,8 +4,9 @@
 
 A sampler thread reads this process's RSS every 0.1 s and, from the stats files in the
 stage's temporary folder, how many layers are done; so the figures come from the very stage
-function the CLI and DVC run. Peak memory should be the model plus two copies of the samples'
-hidden states (inputs and outputs of the current layer) plus the current layer's working set.
+function the CLI and DVC run. Peak memory should be the model plus one copy of the samples'
+hidden states (each layer's outputs overwrite its inputs batch by batch, and the block influence
+is summed as they do) plus the current layer's working set.
 
 RSS is split into file-backed pages (the safetensors weights, which transformers memory-maps:
 each layer's weights page in when the runner first touches it, so this part climbs to the
