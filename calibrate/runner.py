@@ -10,9 +10,10 @@
 Only the current layer runs on `device` (the rest of the model stays where it was loaded), and
 only one set of hidden states is held between layers, so activation memory does not grow with
 depth: one buffer for all samples (`runner.hidden` is its per-batch views) that each layer's
-outputs are copied into, so a stage that keeps a layer's inputs must copy them. With `dtype=torch.bfloat16` the layers run in bf16 (the hidden
-states are held in it too) while the model's own weights stay as loaded: about 3x faster
-matmuls on CPUs with AVX512-BF16 and on GPUs, at bf16's precision for the activations.
+outputs are copied into, so a stage that keeps a layer's inputs must copy them. With
+`dtype=torch.bfloat16` the layers run in bf16 (the hidden states are held in it too) while the
+model's own weights stay as loaded: about 3x faster matmuls on CPUs with AVX512-BF16 and on
+GPUs, at bf16's precision for the activations.
 """
 
 from __future__ import annotations
