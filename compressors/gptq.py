@@ -57,10 +57,10 @@ def error_feedback_sweep(
         for i in range(end - start):
             d = Hinv[start + i, start + i]
             error = (block[:, i] - settle(block, i, start + i)) / d
-            block[:, i:] -= error[:, None] * Hinv[start + i, start + i : end][None, :]
+            block[:, i:].addr_(error, Hinv[start + i, start + i : end], alpha=-1)  # in place: no [rows, block] temporary per column
             errors[:, i] = error
         W[:, start:end] = block
-        W[:, end:] -= errors @ Hinv[start:end, end:]
+        W[:, end:].addmm_(errors, Hinv[start:end, end:], alpha=-1)
 
 
 def gptq_quantize(

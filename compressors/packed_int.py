@@ -16,7 +16,8 @@ mismatch), so asymmetric grids go to lmpress's own format (compressors/lmpress_f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -283,6 +284,35 @@ class PackedWeight:
             group_size=self.group_size or 1, BITS=self.bits, CODEBOOK=self.codebook is not None, HAS_ZERO=self.zero is not None,
             SPARSE24=self.bitmask is not None,
         )
+
+
+def spill_to_disk(weights: dict[str, PackedWeight], file: Path) -> None:
+    """Write the weights to `file` (safetensors; `read_spilled` gives them back). A layer-by-
+    layer stage keeps its finished layers there, not in memory, until it writes its artifact:
+    its peak is then one layer's work, not the whole packed model, and no tensor it keeps is
+    allocated among a layer's transients (where, kept, it would pin the heap)."""
+    from safetensors.torch import save_file
+
+    tensors, layout = {}, {}
+    for name, weight in weights.items():
+        layout[name] = {"bits": weight.bits, "columns": weight.columns}
+        for field in fields(weight):
+            if isinstance(getattr(weight, field.name), torch.Tensor):
+                tensors[f"{name}.{field.name}"] = getattr(weight, field.name)
+    save_file(tensors, file, metadata={"layout": json.dumps(layout)})
+
+
+def read_spilled(file: Path) -> dict[str, PackedWeight]:
+    """The weights `spill_to_disk` wrote, their tensors memory maps of the file."""
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as stored:  # each tensor keeps the map alive after the file handle closes
+        keys, layout = set(stored.keys()), json.loads(stored.metadata()["layout"])
+        read = lambda key: stored.get_tensor(key) if key in keys else None  # noqa: E731
+        return {
+            name: PackedWeight(**{f.name: read(f"{name}.{f.name}") for f in fields(PackedWeight) if f.name not in shape}, **shape)
+            for name, shape in layout.items()
+        }
 
 
 def pack_sparse24(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -371,6 +371,13 @@ def map_weights(loaded: LoadedModel, names: list[str] | None = None) -> None:
 def release_weights(modules) -> None:
     """Drop the modules' weights, keeping only their shape (on the meta device): what a stage
     does with weights it has stored in another form, so their memory goes back to the OS.
-    Reading one afterwards fails loudly instead of giving stale numbers."""
+    Reading one afterwards fails loudly instead of giving stale numbers. Weights of one shape
+    share one placeholder: a stage releasing layer after layer allocates nothing that outlives
+    a layer's transients (each such object pins the heap where it lands)."""
     for module in modules:
-        module.weight = nn.Parameter(torch.empty_like(module.weight, device="meta"), requires_grad=False)
+        module.weight = _meta_placeholder(tuple(module.weight.shape), module.weight.dtype)
+
+
+@lru_cache(maxsize=None)
+def _meta_placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)

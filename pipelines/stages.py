@@ -4,6 +4,7 @@ lineage manifest."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -244,6 +245,7 @@ def walk_layers(loaded, calib, config, process, advance, finished=None) -> None:
             statistics = collector.statistics()
             del collector  # its fp64 sums and buffers, before the compressor's own working memory
             process(index, layer, statistics)
+            del statistics  # not held through the layer's outputs pass, where it would pin the heap's top
         return
     base_index = base_layer_indices(read_lineage(loaded.folder))
     for index, layer in enumerate(layers):
@@ -437,7 +439,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from compressors.gptq import gptq_quantize
     from compressors.grid import round_to_nearest
     from compressors.lmpress_format import packed_weight, save_lmpress_packed
-    from compressors.packed_int import save_pack_quantized
+    from compressors.packed_int import read_spilled, save_pack_quantized, spill_to_disk
     from compressors.sparsegpt import PrunedLinear, sparsegpt_prune
     from compressors.squeezellm import squeezellm_quantize
     from pipelines.serving import bundle_kernels, validate
@@ -481,11 +483,15 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             }
         else:
             results = awq_layer(layer, arch, loaded.config, stats, layer_plan)
+        finished = {}
         for local, q in results.items():
             module, name = layer.get_submodule(local), f"{prefix}.{index}.{local}"
             module.weight.data = q.dequantized()  # what the next layers' inputs go through
             # a 2:4 parent stays 2:4: rtn, awq and masked gptq keep zeros at zero, so only the kept half is stored
-            packed[name] = packed_weight(PrunedLinear(module.weight.data.float(), sparse[name], q) if name in sparse else q)
+            finished[name] = packed_weight(PrunedLinear(module.weight.data.float(), sparse[name], q) if name in sparse else q)
+        if finished:
+            spill_to_disk(finished, spilled / f"{index}.safetensors")
+            packed.update(dict.fromkeys(finished))  # read back once every layer is done
 
     def release_layer(index, layer):  # its quantized linears are packed now; their weights go
         release_weights(layer.get_submodule(local) for local in arch.linears if f"{prefix}.{index}.{local}" in packed)
@@ -497,7 +503,11 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         f"{config.method} codebooks do not keep pruned weights at zero; quantize a 2:4 model with rtn, gptq or awq",
     )
     with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
+        spilled = tmp / ".layers"  # each finished layer's packed weights until the artifact is written
+        spilled.mkdir()
         walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance, release_layer)
+        for file in spilled.iterdir():
+            packed.update(read_spilled(file))
         if sparse or config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):
             save_lmpress_packed(loaded.model, packed, tmp)  # what compressed-tensors cannot carry
         else:
@@ -505,6 +515,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         loaded.tokenizer.save_pretrained(tmp)
         packed.clear()  # written: their memory, and the model's, goes back before the kernels are validated
         loaded.model = None
+        shutil.rmtree(spilled)
         bundle_kernels(tmp)
         validate(tmp)
         record = {"stage": "quantize", "params": asdict(config), "overrides": overrides, **calibration_record(calib)}

@@ -55,6 +55,23 @@ def test_gptq_keeps_dead_inputs_at_zero_and_is_deterministic():
     assert torch.equal(a.codes, b.codes) and (a.codes[:, 5] == 0).all()
 
 
+def test_spilled_weights_read_back_unchanged(tmp_path):
+    """Every packed kind (symmetric, asymmetric, codebook, 2:4) survives the quantize stage's
+    spill of its finished layers to disk: same tensors, same shape fields, None stays None."""
+    from compressors.kernels import _self_check_weights
+    from compressors.packed_int import read_spilled, spill_to_disk
+
+    weights = {f"model.layers.0.mlp.linear{i}": w.clone() for i, w in enumerate(_self_check_weights(torch.device("cpu")))}  # no shared memory, as a stage makes them
+    spill_to_disk(weights, tmp_path / "0.safetensors")
+    back = read_spilled(tmp_path / "0.safetensors")
+    assert list(back) == list(weights)
+    for name, weight in weights.items():
+        for field in ("packed", "scale", "zero", "codebook", "bitmask"):
+            a, b = getattr(weight, field), getattr(back[name], field)
+            assert (a is None and b is None) or torch.equal(a, b), (name, field)
+        assert (back[name].bits, back[name].columns, back[name].kind) == (weight.bits, weight.columns, weight.kind)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("columns", [64, 96, 100])
 def test_unpack_reads_compressed_tensors_packing(bits, columns):
@@ -101,6 +118,7 @@ def test_rtn_artifact_loads_in_stock_transformers_and_round_trips(tmp_path, tiny
         assert torch.equal(unpack_int32(tensors[f"{name}.weight_packed"], 3, expected.shape[1]), expected), name
     lineage = json.loads((out / "lineage.json").read_text())
     assert [r["stage"] for r in lineage["chain"]] == ["base", "quantize"]
+    assert not (out / ".layers").exists()  # the finished layers' spill is gone once the artifact is written
 
 
 def test_quantize_bad_input(tmp_path, tiny_folder):
