@@ -293,12 +293,11 @@ def spill_to_disk(weights: dict[str, PackedWeight], file: Path) -> None:
     allocated among a layer's transients (where, kept, it would pin the heap)."""
     from safetensors.torch import save_file
 
-    tensors, layout = {}, {}
+    tensors, layout = {}, {}  # the tensor fields go in as tensors, the others (bits, columns) as metadata
     for name, weight in weights.items():
-        layout[name] = {"bits": weight.bits, "columns": weight.columns}
-        for field in fields(weight):
-            if isinstance(getattr(weight, field.name), torch.Tensor):
-                tensors[f"{name}.{field.name}"] = getattr(weight, field.name)
+        values = {field.name: getattr(weight, field.name) for field in fields(weight)}
+        tensors.update({f"{name}.{key}": value for key, value in values.items() if isinstance(value, torch.Tensor)})
+        layout[name] = {key: value for key, value in values.items() if value is not None and not isinstance(value, torch.Tensor)}
     save_file(tensors, file, metadata={"layout": json.dumps(layout)})
 
 
@@ -310,8 +309,8 @@ def read_spilled(file: Path) -> dict[str, PackedWeight]:
         keys, layout = set(stored.keys()), json.loads(stored.metadata()["layout"])
         read = lambda key: stored.get_tensor(key) if key in keys else None  # noqa: E731
         return {
-            name: PackedWeight(**{f.name: read(f"{name}.{f.name}") for f in fields(PackedWeight) if f.name not in shape}, **shape)
-            for name, shape in layout.items()
+            name: PackedWeight(**{f.name: read(f"{name}.{f.name}") for f in fields(PackedWeight) if f.name not in other}, **other)
+            for name, other in layout.items()
         }
 
 
