@@ -4,6 +4,8 @@
 #   validate  `lmpress validate` on each artifact (or artifact slice, benchmarks/artifact_slice.py)
 #             found under $SLICES (default .gpu/);
 #   speed     benchmarks/kernel_speed.py at realistic layer shapes ($SPEED_ARGS are passed on);
+#             with .gpu-baseline/packed_int.py (an earlier version of the kernels, e.g.
+#             `git show REV:compressors/packed_int.py`) it is timed side by side too;
 #   latency   `lmpress latency --random-weights` on the GPU: the table `search --budget-latency`
 #             counts in, from a model's config.json and a level database's manifest.json alone
 #             (the weights do not travel), prepared here with
@@ -31,7 +33,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 status=0
 if [[ " $STEPS " == *" tests "* ]]; then
-    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "fused or dequantize or self_check or packed_linear or references or fast_grid" \
+    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "fused or dequantize or self_check or packed_linear or references or fast_grid or every_tuned or split_k" \
         >>"$LOG" 2>&1 || status=1
     grep -E "passed|failed" "$LOG" | tail -1
 fi
@@ -50,7 +52,9 @@ PY
     done
 fi
 if [[ " $STEPS " == *" speed "* ]]; then
-    python3 benchmarks/kernel_speed.py --out "$OUT/kernel_speed" ${SPEED_ARGS:-} >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
+    baseline=()
+    [ -f .gpu-baseline/packed_int.py ] && baseline=(--baseline .gpu-baseline/packed_int.py)
+    python3 benchmarks/kernel_speed.py --out "$OUT/kernel_speed" ${baseline[@]+"${baseline[@]}"} ${SPEED_ARGS:-} >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     cat "$OUT/kernel_speed.md" 2>/dev/null
 fi
 if [[ " $STEPS " == *" latency "* ]]; then

@@ -14,11 +14,17 @@ round-robin over copies of the weight that overflow the L2 cache, so weights com
 memory (`compressors.kernels.weight_seconds`). At batch 1 it also reports the bandwidth each kernel achieves (bytes it must read / time) as a
 fraction of the device's measured copy bandwidth (a large device-to-device copy), which is the
 roof for a memory-bound GEMV. Results: benchmarks/results/kernel_speed.{json,md}.
+
+`--baseline FILE` times another version of the kernels next to these, in the same run, e.g.
+    git show 71b8012:compressors/packed_int.py > .gpu-baseline/packed_int.py
+    python benchmarks/kernel_speed.py --baseline .gpu-baseline/packed_int.py
+(a GPU lease is too short and too noisy across machines to compare runs made apart).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -44,6 +50,16 @@ def random_packed(kind: str, n: int, k: int, device, group: int = 128) -> Packed
     return random_packed_weight(bits, n, k, None if stored == "codebook" else group, stored).to(device)
 
 
+def load_kernels(path: Path):
+    """Another version of compressors/packed_int.py as a module of its own (it takes this one's
+    PackedWeight: the kernels read its fields, not its class)."""
+    spec = importlib.util.spec_from_file_location("packed_int_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
 def copy_bandwidth(device) -> float:
     """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -57,17 +73,23 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--kinds", default="int4,int8,int3,int4-asym,codebook4,sparse24-fp16,sparse24-int4", help="packed weights to time")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works in the Triton interpreter)")
+    parser.add_argument("--baseline", type=Path, help="another version of compressors/packed_int.py to time side by side")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_speed")
     args = parser.parse_args()
 
     kinds = tuple(args.kinds.split(","))
+    versions = {"": matmul_triton}  # column prefix -> the kernels' entry point
+    if args.baseline is not None:
+        versions["baseline_"] = load_kernels(args.baseline).matmul_triton
     if args.smoke:
         for kind in kinds:
             weight = random_packed(kind, 64, 256, "cpu")
-            x = torch.randn(3, 256)
-            error = (matmul_triton(x, weight) - matmul_reference(x, weight)).abs().max().item()
-            print(f"{kind}: max abs error {error:.2e}")
-            assert error < 1e-4
+            for batch in (1, 3):
+                x = torch.randn(batch, 256)
+                for prefix, matmul in versions.items():
+                    error = (matmul(x, weight) - matmul_reference(x, weight)).abs().max().item()
+                    print(f"{prefix}{kind} batch {batch}: max abs error {error:.2e}")
+                    assert error < 1e-4
         return
     if not torch.cuda.is_available():
         raise SystemExit("kernel speed needs a CUDA GPU (the CPU only interprets Triton); use --smoke to check the script")
@@ -100,15 +122,16 @@ def main() -> None:
             if batch == 1:
                 row["fp16_bandwidth_fraction"] = round(2 * n * k / fp16 / bandwidth, 3)
             for kind, weight in weights.items():
-                error = (matmul_triton(x, weight).float() - matmul_reference(x, weight).float()).abs().max().item()
-                seconds = weight_seconds(lambda w: matmul_triton(x, w), weight)
-                row[f"{kind}_us"], row[f"{kind}_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
-                row[f"{kind}_max_abs_error"] = error
+                for prefix, matmul in versions.items():
+                    error = (matmul(x, weight).float() - matmul_reference(x, weight).float()).abs().max().item()
+                    seconds = weight_seconds(lambda w: matmul(x, w), weight)
+                    row[f"{prefix}{kind}_us"], row[f"{prefix}{kind}_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
+                    row[f"{prefix}{kind}_max_abs_error"] = error
+                    if batch == 1:
+                        row[f"{prefix}{kind}_bandwidth_fraction"] = round(weight.nbytes / seconds / bandwidth, 3)
                 if kind in ("int4", "int8"):  # the launch shape the autotuner chose
                     tuned = (packed_int._GEMV if batch == 1 else packed_int._GEMM)[0]
                     row[f"{kind}_config"] = str(getattr(tuned, "best_config", ""))
-                if batch == 1:
-                    row[f"{kind}_bandwidth_fraction"] = round(weight.nbytes / seconds / bandwidth, 3)
             if semi_structured is not None:
                 try:  # its sparse kernels may refuse a shape, a batch or graph capture
                     seconds = gpu_seconds([lambda s=s: torch.nn.functional.linear(x, s) for s in semi_structured])
@@ -128,8 +151,8 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    columns = ["fp16_us", *[f"{kind}_speedup" for kind in kinds], "torch_24_speedup", "bnb_nf4_speedup", "fp16_bandwidth_fraction",
-               *[f"{kind}_bandwidth_fraction" for kind in kinds]]
+    columns = ["fp16_us", *[f"{prefix}{kind}_speedup" for kind in kinds for prefix in versions], "torch_24_speedup", "bnb_nf4_speedup", "fp16_bandwidth_fraction",
+               *[f"{prefix}{kind}_bandwidth_fraction" for kind in kinds for prefix in versions]]
     lines = [f"{report['device']}, copy bandwidth {report['copy_bandwidth_GBps']} GB/s", "",
              "| shape | batch | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     for row in rows:

@@ -145,7 +145,7 @@ def _weight_tile(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, rk, N, K, str
             value = tl.load(table_ptr + rn[:, None] * stride_tn + code, mask=inside, other=0.0).to(tl.float32)
         else:
             group = column // group_size
-            q = (code - (1 << (BITS - 1))).to(tl.float32)
+            q = _exact_codes(code, False) - (1 << (BITS - 1))
             if HAS_ZERO:
                 q -= tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=inside, other=0).to(tl.float32)
             value = q * tl.load(table_ptr + rn[:, None] * stride_tn + group, mask=inside, other=0.0).to(tl.float32)
@@ -414,10 +414,44 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 
 def _tuned(kernel, configs: list, key: list[str]):
     """(kernel to launch, launch settings to pass): autotuned on a GPU; under the interpreter,
-    where timing means nothing, the first configuration."""
+    where timing means nothing, the first configuration (tests run the others by hand)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return kernel, dict(configs[0].kwargs)
-    return triton.autotune(configs, key=key)(kernel), {}
+    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": _split_k_fits})(kernel), {}
+
+
+def _split_k(config: dict, **launch) -> "triton.Config":
+    """A launch shape; with SPLIT_K > 1, slices of K run as separate programs whose partial sums
+    are added atomically into y, so y is zeroed before each launch (the config's pre_hook).
+    This fills the GPU when N / BLOCK_N programs alone would leave SMs idle."""
+    split = config.setdefault("SPLIT_K", 1)
+    zero_y = (lambda args: args["y_ptr"].zero_()) if split > 1 else None
+    return triton.Config(config, pre_hook=zero_y, **launch)
+
+
+def _split_k_fits(configs: list, named_args: dict, **kwargs) -> list:
+    """Split-K adds partial sums in y's dtype: fine in fp16 (11 bits) and fp32, too coarse in
+    bf16 (8 bits), where only whole-K launches are tried."""
+    if named_args["y_ptr"].dtype == torch.bfloat16:
+        return [config for config in configs if config.kwargs["SPLIT_K"] == 1]
+    return configs
+
+
+@triton.jit
+def _k_slice(index, total_words, WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The words [start, end) that slice `index` of K covers, in whole WORDS blocks."""
+    span = tl.cdiv(tl.cdiv(total_words, SPLIT_K), WORDS) * WORDS
+    start = index * span
+    return start, tl.minimum(start + span, total_words)
+
+
+@triton.jit
+def _write(pointers, values, mask, SPLIT_K: tl.constexpr):
+    """Store a result, or with split-K add this slice's part to the zeroed output."""
+    if SPLIT_K == 1:
+        tl.store(pointers, values.to(pointers.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(pointers, values.to(pointers.dtype.element_ty), mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -438,13 +472,28 @@ def _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride
 
 
 @triton.jit
+def _exact_codes(codes, FP16: tl.constexpr):
+    """Unsigned integer codes (< 2^10) as exact floats, without an int-to-float conversion: GPUs
+    issue those at a fraction of the rate of float arithmetic (16 a clock per SM against 64 to
+    128 FMAs on Ampere and Hopper, in the CUDA guide's throughput table), and a GEMV that converts
+    every code can be bound by it rather than by memory. OR-ing the code into the low mantissa bits
+    of 2^23 (fp16: 2^10) makes the float 2^23 + code exactly; one subtraction is left (the
+    "magic number" decode of FasterTransformer and Marlin)."""
+    if FP16:
+        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def _grid_gemv_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, y_ptr, N, K, stride_pn, stride_sn, stride_zn, group_size,
-                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
-    """Batch 1: per word, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j]) * scale."""
+                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Batch 1: per word, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j]) * scale;
+    program (i, s) covers rows block i over slice s of K."""
     PER_WORD: tl.constexpr = 32 // BITS
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    for w0 in range(0, tl.cdiv(K, PER_WORD), WORDS):
+    start, end = _k_slice(tl.program_id(1), tl.cdiv(K, PER_WORD), WORDS, SPLIT_K)
+    for w0 in range(start, end, WORDS):
         words, scale, offset = _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride_sn, stride_zn, group_size,
                                            BITS, HAS_ZERO, WORDS)
         rk = (w0 + tl.arange(0, WORDS)) * PER_WORD  # each word's first column
@@ -452,46 +501,63 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, y_ptr, N, K, strid
         x_sum = tl.zeros((WORDS,), dtype=tl.float32)
         for j in tl.static_range(PER_WORD):
             x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
-            codes_x += ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32) * x[None, :]
+            codes_x += _exact_codes((words >> (j * BITS)) & ((1 << BITS) - 1), False) * x[None, :]
             x_sum += x
         acc += (codes_x - offset * x_sum[None, :]) * scale
-    tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=rn < N)
+    _write(y_ptr + rn, tl.sum(acc, axis=1), rn < N, SPLIT_K)
 
 
 @triton.jit
 def _grid_gemm_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_zn, stride_ym, group_size,
-                      M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+                      M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                      SPLIT_K: tl.constexpr):
     """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, WORDS * PER_WORD] (codes
     spread to column order) being the tensor cores' first operand, which on Hopper may stay
     in registers. Measured on an H100 against splitting the tile by bit position (eight small
     products per tile) and against w as the second operand: this was fastest
-    (benchmarks/results/kernel_speed.md)."""
+    (benchmarks/results/kernel_speed.md). Program (i, j, s) covers slice s of K."""
     PER_WORD: tl.constexpr = 32 // BITS
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for w0 in range(0, tl.cdiv(K, PER_WORD), WORDS):
+    start, end = _k_slice(tl.program_id(2), tl.cdiv(K, PER_WORD), WORDS, SPLIT_K)
+    for w0 in range(start, end, WORDS):
         words, scale, offset = _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride_sn, stride_zn, group_size,
                                            BITS, HAS_ZERO, WORDS)
         shifts = tl.arange(0, PER_WORD) * BITS
-        codes = ((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-        w = tl.reshape((codes - offset[:, :, None]) * scale[:, :, None], (BLOCK_N, WORDS * PER_WORD))
+        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly: (q - offset) is exact there, and
+            # the fp16 product rounds once, as the fp32 product cast to fp16 did, so the tile is the same
+            w = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
+        else:
+            w = (_exact_codes(codes, False) - offset[:, :, None]) * scale[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, WORDS * PER_WORD))
         rk = w0 * PER_WORD + tl.arange(0, WORDS * PER_WORD)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         acc = _accumulate_dot(acc, w, tl.trans(x))
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], tl.trans(acc).to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    _write(y_ptr + rm[:, None] * stride_ym + rn[None, :], tl.trans(acc), (rm[:, None] < M) & (rn[None, :] < N), SPLIT_K)
 
 
-_GEMV = _tuned(_grid_gemv_kernel, [
-    triton.Config({"BLOCK_N": n, "WORDS": w}, num_warps=warps, num_stages=stages)
-    for n, w, warps, stages in [(16, 64, 4, 3), (32, 64, 4, 3), (64, 32, 4, 3), (16, 128, 4, 3), (32, 128, 8, 3), (8, 128, 4, 4),
-                                (64, 64, 8, 3), (32, 32, 4, 4), (8, 64, 4, 4), (16, 64, 8, 4), (128, 32, 8, 3), (4, 128, 4, 4)]
-], key=["N", "K", "BITS", "HAS_ZERO"])
-_GEMM = _tuned(_grid_gemm_kernel, [
-    triton.Config({"BLOCK_M": m, "BLOCK_N": n, "WORDS": w}, num_warps=warps, num_stages=stages)
-    for m, n, w, warps, stages in [(16, 64, 16, 4, 4), (16, 128, 16, 4, 3), (16, 64, 32, 4, 3), (32, 64, 16, 4, 4), (32, 128, 32, 8, 3),
-                                   (64, 64, 16, 4, 4), (64, 128, 32, 8, 3), (16, 128, 32, 8, 4)]
-], key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO"])
+# Launch shapes for the autotuner to time (BLOCK_N, WORDS[, BLOCK_M], SPLIT_K; warps, stages). The
+# first of each list is what the interpreter runs; tests run every one of them there.
+GEMV_CONFIGS = [
+    _split_k({"BLOCK_N": n, "WORDS": w, "SPLIT_K": split}, num_warps=warps, num_stages=stages)
+    for n, w, split, warps, stages in [
+        (16, 64, 1, 4, 3), (32, 64, 1, 4, 3), (64, 32, 1, 4, 3), (16, 128, 1, 4, 3), (32, 128, 1, 8, 3), (8, 128, 1, 4, 4),
+        (64, 64, 1, 8, 3), (32, 32, 1, 4, 4), (8, 64, 1, 4, 4), (16, 64, 1, 8, 4), (128, 32, 1, 8, 3), (4, 128, 1, 4, 4),
+        (32, 64, 2, 4, 3), (64, 64, 4, 4, 3), (64, 32, 4, 4, 3), (128, 32, 4, 8, 3), (32, 128, 4, 4, 3), (16, 128, 2, 4, 3), (64, 64, 8, 8, 3),
+    ]
+]
+GEMM_CONFIGS = [
+    _split_k({"BLOCK_M": m, "BLOCK_N": n, "WORDS": w, "SPLIT_K": split}, num_warps=warps, num_stages=stages)
+    for m, n, w, split, warps, stages in [
+        (16, 64, 16, 1, 4, 4), (16, 128, 16, 1, 4, 3), (16, 64, 32, 1, 4, 3), (32, 64, 16, 1, 4, 4), (32, 128, 32, 1, 8, 3),
+        (64, 64, 16, 1, 4, 4), (64, 128, 32, 1, 8, 3), (16, 128, 32, 1, 8, 4),
+        (16, 64, 16, 2, 4, 4), (16, 64, 32, 4, 4, 3), (16, 128, 32, 4, 8, 3), (32, 64, 16, 4, 4, 4), (64, 64, 16, 2, 4, 4), (64, 128, 32, 2, 8, 3),
+    ]
+]
+_GEMV = _tuned(_grid_gemv_kernel, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO"])
+_GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO"])
 
 
 def _takes_fast_grid(weight: PackedWeight) -> bool:
@@ -499,6 +565,28 @@ def _takes_fast_grid(weight: PackedWeight) -> bool:
     if weight.codebook is not None or weight.bitmask is not None or weight.bits not in (2, 4, 8):
         return False
     return weight.scale.shape[1] == 1 or weight.group_size % (32 // weight.bits) == 0
+
+
+def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config: "triton.Config | None" = None) -> torch.Tensor:
+    """The fast grid kernels: GEMV for one row of x, GEMM for more; autotuned, or with the given
+    launch shape (one of GEMV_CONFIGS / GEMM_CONFIGS: how tests run each shape the tuner may pick)."""
+    M, K = x.shape
+    zero = weight.zero if weight.zero is not None else weight.scale  # an unused pointer still needs a tensor
+    strides = (weight.packed.stride(0), weight.scale.stride(0), zero.stride(0))
+    common = dict(group_size=weight.group_size, BITS=weight.bits, HAS_ZERO=weight.zero is not None)
+    kernel, settings = _GEMV if M == 1 else _GEMM
+    if config is not None:
+        kernel, settings = (_grid_gemv_kernel if M == 1 else _grid_gemm_kernel), config.all_kwargs()
+        if config.pre_hook is not None:
+            config.pre_hook({"y_ptr": y})
+    if M == 1:
+        grid = lambda meta: (triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+        kernel[grid](x, weight.packed, weight.scale, zero, y, weight.rows, K, *strides, **common, **settings)
+    else:
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+        kernel[grid](x, weight.packed, weight.scale, zero, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
+                     M_BUCKET=min(triton.next_power_of_2(M), 128), **common, **settings)
+    return y
 
 
 def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
@@ -509,19 +597,7 @@ def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, bloc
     M, K = x.shape
     y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)
     if _takes_fast_grid(weight):
-        zero = weight.zero if weight.zero is not None else weight.scale  # an unused pointer still needs a tensor
-        strides = (weight.packed.stride(0), weight.scale.stride(0), zero.stride(0))
-        common = dict(group_size=weight.group_size, BITS=weight.bits, HAS_ZERO=weight.zero is not None)
-        if M == 1:
-            kernel, settings = _GEMV
-            grid = lambda meta: (triton.cdiv(weight.rows, meta["BLOCK_N"]),)  # noqa: E731
-            kernel[grid](x, weight.packed, weight.scale, zero, y, weight.rows, K, *strides, **common, **settings)
-        else:
-            kernel, settings = _GEMM
-            grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(weight.rows, meta["BLOCK_N"]))  # noqa: E731
-            kernel[grid](x, weight.packed, weight.scale, zero, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
-                         M_BUCKET=min(triton.next_power_of_2(M), 128), **common, **settings)
-        return y
+        return _grid_matmul(x, weight, y)
     tensors, strides, flags = weight._kernel_args()
     if M == 1:
         _gemv_kernel[(triton.cdiv(weight.rows, block_n),)](

@@ -162,3 +162,30 @@ def test_fast_grid_path_takes_whole_word_grids():
     assert not _takes_fast_grid(packed(3, 8, 96, 32))  # codes straddle words
     assert not _takes_fast_grid(packed(4, 8, 64, None, "codebook"))
     assert not _takes_fast_grid(packed(4, 8, 64, 32, "2:4 symmetric"))
+
+
+@pytest.mark.parametrize("batch,configs", [(1, "GEMV_CONFIGS"), (5, "GEMM_CONFIGS")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_tuned_launch_shape_matches_reference(batch, configs, dtype):
+    """On a GPU the autotuner may pick any launch shape, split-K ones (partial sums added
+    atomically into a zeroed y) included; the interpreter runs only the first, so each is run
+    here by hand, on K that leaves the last slice short and N off every block."""
+    from compressors import packed_int
+
+    weights = [packed(4, 37, 1344, 32, "asymmetric"), packed(8, 20, 200, None), packed(2, 9, 512, 64)]
+    for config in getattr(packed_int, configs):
+        for weight in weights:
+            x = torch.randn(batch, weight.columns, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+            y = torch.full((batch, weight.rows), float("nan"), dtype=dtype, device=DEVICE)  # split-K must zero it first
+            got, expected = packed_int._grid_matmul(x, weight, y, config).float(), matmul_reference(x, weight).float()
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+            assert (got - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item()), (config, weight.kind, weight.bits)
+
+
+def test_split_k_is_not_tried_for_bf16_outputs():
+    """bf16 has 8 significant bits: partial sums added in it would lose the fp32 accumulation."""
+    from compressors.packed_int import GEMV_CONFIGS, _split_k_fits
+
+    bf16, fp16 = (torch.empty(1, 4, dtype=dtype) for dtype in (torch.bfloat16, torch.float16))
+    assert {c.kwargs["SPLIT_K"] for c in _split_k_fits(GEMV_CONFIGS, {"y_ptr": bf16})} == {1}
+    assert {c.kwargs["SPLIT_K"] for c in _split_k_fits(GEMV_CONFIGS, {"y_ptr": fp16})} > {1}
