@@ -423,7 +423,9 @@ def _tuned(kernel, configs: list, key: list[str]):
 def _split_k(config: dict, **launch) -> "triton.Config":
     """A launch shape; with SPLIT_K > 1, slices of K run as separate programs whose partial sums
     are added atomically into y, so y is zeroed before each launch (the config's pre_hook).
-    This fills the GPU when N / BLOCK_N programs alone would leave SMs idle."""
+    This fills the GPU when N / BLOCK_N programs alone would leave SMs idle. On sm_90 an fp16
+    atomic add compiles to a compare-and-swap loop (fp32 to one REDG): the tuner's timing
+    weighs that against the programs gained."""
     split = config.setdefault("SPLIT_K", 1)
     zero_y = (lambda args: args["y_ptr"].zero_()) if split > 1 else None
     return triton.Config(config, pre_hook=zero_y, **launch)
@@ -473,15 +475,17 @@ def _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride
 
 @triton.jit
 def _exact_codes(codes, FP16: tl.constexpr):
-    """Unsigned integer codes (< 2^10) as exact floats, without an int-to-float conversion: GPUs
-    issue those at a fraction of the rate of float arithmetic (16 a clock per SM against 64 to
-    128 FMAs on Ampere and Hopper, in the CUDA guide's throughput table), and a GEMV that converts
-    every code can be bound by it rather than by memory. OR-ing the code into the low mantissa bits
-    of 2^23 (fp16: 2^10) makes the float 2^23 + code exactly; one subtraction is left (the
-    "magic number" decode of FasterTransformer and Marlin)."""
-    if FP16:
-        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    """Unsigned integer codes (< 2^10) as exact floats, by integer logic and one float
+    subtraction instead of a conversion instruction. OR-ing the code into the low mantissa bits
+    of 2^23 (fp16: 2^10) makes the float 2^23 + code exactly (the "magic number" decode of
+    FasterTransformer and Marlin). Where ptxas would emit I2F, which GPUs issue at 16 a clock
+    per SM against 64 to 128 FMAs (the CUDA guide's throughput table), this removes it: the
+    GEMM's decoded tiles lose all of theirs on sm_90 (benchmarks/kernel_sass.py counts them)."""
+    if FP16:  # one return: compiled Triton would also type the return after a static branch
+        value = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        value = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return value
 
 
 @triton.jit

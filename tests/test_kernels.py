@@ -189,3 +189,15 @@ def test_split_k_is_not_tried_for_bf16_outputs():
     bf16, fp16 = (torch.empty(1, 4, dtype=dtype) for dtype in (torch.bfloat16, torch.float16))
     assert {c.kwargs["SPLIT_K"] for c in _split_k_fits(GEMV_CONFIGS, {"y_ptr": bf16})} == {1}
     assert {c.kwargs["SPLIT_K"] for c in _split_k_fits(GEMV_CONFIGS, {"y_ptr": fp16})} > {1}
+
+
+def test_kernels_compile_for_hopper():
+    """The interpreter runs a kernel's Python, not the compiler: a kernel can pass every test
+    above and still fail to compile (a static branch's dead return, say). Triton ships ptxas,
+    so every decode path is lowered to sm_90 machine code here, with no GPU."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_sass.py")
+    result = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]

@@ -1,0 +1,144 @@
+"""The packed-weight kernels compiled for an H100 (sm_90) on a machine without a GPU, and what
+the compiler made of them: machine instructions (SASS) counted by opcode.
+
+    python benchmarks/kernel_sass.py [--baseline OLD_packed_int.py]   # counts -> results/kernel_sass.{json,md}
+    python benchmarks/kernel_sass.py --check                          # every kernel path compiles, or exit 1
+
+Triton ships ptxas and cuobjdump, so lowering to Hopper machine code needs no GPU. This
+catches what the interpreter cannot (it runs the Python, not the compiler: a kernel can pass
+every interpreted test and still not compile), and it shows how a change moves the
+instruction mix (int-to-float conversions, packed fp16 math, atomics) next to an earlier
+version of the kernels. Counts are static (per compiled kernel, the loop body once), not
+timings: speed is measured on a GPU (benchmarks/kernel_speed.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, not interpret: must be set before triton is imported
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from benchmarks.kernel_speed import load_kernels  # noqa: E402
+from compressors import packed_int  # noqa: E402
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# the dtype each pointer argument has in serving (fp16 activations; int8 zero points; uint8 2:4 masks)
+POINTERS = {"x_ptr": "fp16", "y_ptr": "fp16", "out_ptr": "fp16", "packed_ptr": "i32", "scale_ptr": "fp16", "table_ptr": "fp16",
+            "zero_ptr": "i8", "bitmask_ptr": "u8"}
+
+
+def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, num_warps: int = 4, num_stages: int = 3) -> str:
+    """The kernel's machine code for compute capability `arch`, given its constexpr arguments."""
+    signature = {}
+    for name, param in zip(kernel.arg_names, kernel.params):
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + (activations if name in ("x_ptr", "y_ptr") else POINTERS[name])
+        else:
+            signature[name] = "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([TOOLS / "cuobjdump", "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def opcodes(machine_code: str) -> collections.Counter:
+    """Instructions by opcode (the part before the first dot: I2F.F32.U32 counts as I2F)."""
+    found = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", machine_code, flags=re.M)
+    return collections.Counter(found)
+
+
+# (name, kernel attribute, constexprs): the decode paths lmpress serves, grid kernels at one
+# launch shape each (which shape the autotuner picks changes tiling, not the code paths)
+GRID = dict(BITS=4, HAS_ZERO=False, SPLIT_K=1)
+GENERAL = dict(CODEBOOK=False, HAS_ZERO=False, SPARSE24=False)
+CASES = [
+    ("grid GEMV int4", "_grid_gemv_kernel", dict(GRID, BLOCK_N=8, WORDS=128)),
+    ("grid GEMV int8 asymmetric", "_grid_gemv_kernel", dict(GRID, BITS=8, HAS_ZERO=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMV int4 split-K 4", "_grid_gemv_kernel", dict(GRID, BLOCK_N=32, WORDS=128, SPLIT_K=4)),
+    ("grid GEMM int4", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMM int8 asymmetric", "_grid_gemm_kernel", dict(GRID, BITS=8, HAS_ZERO=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMM int4 split-K 2", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16, SPLIT_K=2)),
+    ("general GEMV int3 asymmetric", "_gemv_kernel", dict(GENERAL, BITS=3, HAS_ZERO=True, BLOCK_N=64, BLOCK_K=64)),
+    ("general GEMV codebook 4-bit", "_gemv_kernel", dict(GENERAL, BITS=4, CODEBOOK=True, BLOCK_N=64, BLOCK_K=64)),
+    ("general GEMM 2:4 int4", "_gemm_kernel", dict(GENERAL, BITS=4, SPARSE24=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
+    ("general GEMM 2:4 fp16", "_gemm_kernel", dict(GENERAL, BITS=16, SPARSE24=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
+    ("dequantize int4", "_dequantize_kernel", dict(GENERAL, BITS=4, BLOCK_N=64, BLOCK_K=64)),
+]
+
+
+def compiles(module, name: str, constexprs: dict, activations: str) -> dict:
+    """Keep only the constexprs the kernel takes (an earlier version may lack SPLIT_K)."""
+    kernel = getattr(module, name)
+    taken = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
+    if any(key not in taken for key in constexprs if constexprs[key] not in (1, False)):
+        return {}  # a setting this version cannot express
+    return opcodes(sass(kernel, taken, activations if "dequantize" not in name else "fp16"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--check", action="store_true", help="compile every case for fp16 and bf16 activations; exit 1 on a failure")
+    parser.add_argument("--baseline", type=Path, help="an earlier compressors/packed_int.py to count side by side")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_sass")
+    args = parser.parse_args()
+
+    if args.check:
+        failed = []
+        for title, name, constexprs in CASES:
+            for activations in ("fp16", "bf16", "fp32"):
+                try:
+                    compiles(packed_int, name, constexprs, activations)
+                except Exception as error:  # noqa: BLE001  (any compiler error is the finding)
+                    cause = error.__cause__ or error  # a CompilationError quotes the source; its cause says what failed
+                    failed.append(f"{title} ({activations}): {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}")
+        print("\n".join(failed) or f"all {len(CASES)} kernel paths compile for sm_90 with fp16, bf16 and fp32 activations")
+        raise SystemExit(1 if failed else 0)
+
+    versions = {"new": packed_int}
+    if args.baseline is not None:
+        versions = {"baseline": load_kernels(args.baseline), **versions}
+    watched = ["I2F", "I2FP", "F2F", "F2FP", "FFMA", "FADD", "HADD2", "HFMA2", "HMUL2", "LOP3", "SHF", "PRMT", "LDG", "HGMMA", "REDG", "ATOMG"]
+    rows = []
+    for title, name, constexprs in CASES:
+        counts = {version: compiles(module, name, constexprs, "fp16") for version, module in versions.items()}
+        row = {"kernel": title}
+        for version, ops in counts.items():
+            if ops:
+                row[version] = {"total": sum(ops.values()), **{op: ops[op] for op in watched if ops[op]}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report = {"target": "sm_90 (H100), fp16 activations", "triton": triton.__version__,
+              "baseline": args.baseline.name if args.baseline else None, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"SASS instructions per compiled kernel, {report['target']}, Triton {report['triton']}"
+             + (f"; baseline: {report['baseline']}" if args.baseline else ""), "",
+             "| kernel | version | total | " + " | ".join(watched) + " |", "|" + "---|" * (len(watched) + 3)]
+    for row in rows:
+        for version in versions:
+            if version in row:
+                lines.append(f"| {row['kernel']} | {version} | {row[version]['total']} | "
+                             + " | ".join(str(row[version].get(op, "")) for op in watched) + " |")
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
