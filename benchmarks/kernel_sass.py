@@ -66,7 +66,8 @@ def opcodes(machine_code: str) -> collections.Counter:
 
 # (name, kernel attribute, constexprs): the decode paths lmpress serves, grid kernels at one
 # launch shape each (which shape the autotuner picks changes tiling, not the code paths)
-GRID = dict(BITS=4, HAS_ZERO=False, SPLIT_K=1)
+NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False}  # settings that an earlier kernel without them had implicitly
+GRID = dict(BITS=4, HAS_ZERO=False, **NEUTRAL)
 GENERAL = dict(CODEBOOK=False, HAS_ZERO=False, SPARSE24=False)
 CASES = [
     ("grid GEMV int4", "_grid_gemv_kernel", dict(GRID, BLOCK_N=8, WORDS=128)),
@@ -75,20 +76,31 @@ CASES = [
     ("grid GEMM int4", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int8 asymmetric", "_grid_gemm_kernel", dict(GRID, BITS=8, HAS_ZERO=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int4 split-K 2", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16, SPLIT_K=2)),
+    ("grid GEMV codebook 4-bit", "_grid_gemv_kernel", dict(GRID, CODEBOOK=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMM codebook 4-bit", "_grid_gemm_kernel", dict(GRID, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("general GEMV int3 asymmetric", "_gemv_kernel", dict(GENERAL, BITS=3, HAS_ZERO=True, BLOCK_N=64, BLOCK_K=64)),
     ("general GEMV codebook 4-bit", "_gemv_kernel", dict(GENERAL, BITS=4, CODEBOOK=True, BLOCK_N=64, BLOCK_K=64)),
+    ("general GEMM codebook 4-bit", "_gemm_kernel", dict(GENERAL, BITS=4, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
     ("general GEMM 2:4 int4", "_gemm_kernel", dict(GENERAL, BITS=4, SPARSE24=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
     ("general GEMM 2:4 fp16", "_gemm_kernel", dict(GENERAL, BITS=16, SPARSE24=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
     ("dequantize int4", "_dequantize_kernel", dict(GENERAL, BITS=4, BLOCK_N=64, BLOCK_K=64)),
 ]
 
 
+def codes_per_thread(constexprs: dict, threads: int = 4 * 32) -> int:
+    """Weights one thread decodes per loop iteration (the tile over the default 4 warps); with
+    the loop body compiled once, total / this is roughly the instructions spent per weight."""
+    columns = constexprs["WORDS"] * (32 // constexprs["BITS"]) if "WORDS" in constexprs else constexprs["BLOCK_K"]
+    return constexprs["BLOCK_N"] * columns // threads
+
+
 def compiles(module, name: str, constexprs: dict, activations: str) -> dict:
-    """Keep only the constexprs the kernel takes (an earlier version may lack SPLIT_K)."""
+    """Keep only the constexprs the kernel takes (an earlier version may lack SPLIT_K or
+    CODEBOOK); empty if the case needs a setting the kernel lacks."""
     kernel = getattr(module, name)
     taken = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
-    if any(key not in taken for key in constexprs if constexprs[key] not in (1, False)):
-        return {}  # a setting this version cannot express
+    if any(constexprs[key] is not NEUTRAL.get(key) for key in constexprs.keys() - taken.keys()):
+        return {}
     return opcodes(sass(kernel, taken, activations if "dequantize" not in name else "fp16"))
 
 
@@ -118,7 +130,7 @@ def main() -> None:
     rows = []
     for title, name, constexprs in CASES:
         counts = {version: compiles(module, name, constexprs, "fp16") for version, module in versions.items()}
-        row = {"kernel": title}
+        row = {"kernel": title, "codes_per_thread": codes_per_thread(constexprs)}
         for version, ops in counts.items():
             if ops:
                 row[version] = {"total": sum(ops.values()), **{op: ops[op] for op in watched if ops[op]}}
@@ -130,11 +142,13 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"SASS instructions per compiled kernel, {report['target']}, Triton {report['triton']}"
              + (f"; baseline: {report['baseline']}" if args.baseline else ""), "",
-             "| kernel | version | total | " + " | ".join(watched) + " |", "|" + "---|" * (len(watched) + 3)]
+             "| kernel | version | codes a thread decodes per iteration | total | total per code | " + " | ".join(watched) + " |",
+             "|" + "---|" * (len(watched) + 5)]
     for row in rows:
         for version in versions:
             if version in row:
-                lines.append(f"| {row['kernel']} | {version} | {row[version]['total']} | "
+                lines.append(f"| {row['kernel']} | {version} | {row['codes_per_thread']} | {row[version]['total']} | "
+                             f"{row[version]['total'] / row['codes_per_thread']:.1f} | "
                              + " | ".join(str(row[version].get(op, "")) for op in watched) + " |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -401,15 +401,18 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 
 # --------------------------------------------------------------------------- fast grid path
 #
-# The common serving case, a uniform grid whose codes fill 32-bit words exactly (2, 4 or 8
-# bits, no codebook, not 2:4), gets kernels of its own. They work on tiles of whole words
+# The common serving case, codes that fill 32-bit words exactly (a uniform grid of 2, 4 or 8
+# bits, or a 2 or 4-bit codebook; not 2:4), gets kernels of its own. They work on tiles of whole words
 # [BLOCK_N, WORDS] and take the codes at bit position j of every word at once: that slice is
 # the columns j, j + PER_WORD, j + 2 PER_WORD, ... so it meets the matching strided slice of
 # x, and a sum over k may run in that order. The words are loaded once, coalesced, and never
 # rearranged in registers (the general tile above loads a word per code). A word's codes share
 # one group as long as the group size is a multiple of the codes per word, which then holds
-# for 16 and up, per-channel included. On a GPU Triton's autotuner picks the launch shape
-# per layer shape; the interpreter takes the first.
+# for 16 and up, per-channel included. A codebook's codes are looked up in their rows'
+# tables with one load per code: 2^bits values a row stay in L1. (tl.gather from tables held
+# in registers compiles to about 8 warp shuffles per code on sm_90, per
+# benchmarks/kernel_sass.py.) On a GPU Triton's autotuner picks the launch shape per layer
+# shape; the interpreter takes the first.
 
 
 def _tuned(kernel, configs: list, key: list[str]):
@@ -457,20 +460,27 @@ def _write(pointers, values, mask, SPLIT_K: tl.constexpr):
 
 
 @triton.jit
-def _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride_sn, stride_zn, group_size,
-                BITS: tl.constexpr, HAS_ZERO: tl.constexpr, WORDS: tl.constexpr):
-    """Words [BLOCK_N, WORDS] of rows rn from word w0 on, and per word the scale and the
-    offset (2^(bits-1) + zero point) of the group it lies in: value = (code - offset) * scale."""
+def _grid_words(packed_ptr, rn, w0, N, K, stride_pn, BITS: tl.constexpr, WORDS: tl.constexpr):
+    """Words [BLOCK_N, WORDS] of rows rn from word w0 on, zero outside the matrix."""
+    rw = w0 + tl.arange(0, WORDS)
+    inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(K, 32 // BITS))
+    return tl.load(packed_ptr + rn[:, None] * stride_pn + rw[None, :], mask=inside, other=0)
+
+
+@triton.jit
+def _group_scales(scale_ptr, zero_ptr, rn, w0, N, K, stride_sn, stride_zn, group_size, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  WORDS: tl.constexpr):
+    """Per word [BLOCK_N, WORDS] the scale and the offset (2^(bits-1) + zero point) of the
+    group it lies in: value = (code - offset) * scale."""
     PER_WORD: tl.constexpr = 32 // BITS
     rw = w0 + tl.arange(0, WORDS)
     inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(K, PER_WORD))
-    words = tl.load(packed_ptr + rn[:, None] * stride_pn + rw[None, :], mask=inside, other=0)
     group = (rw[None, :] * PER_WORD) // group_size
     scale = tl.load(scale_ptr + rn[:, None] * stride_sn + group, mask=inside, other=0.0).to(tl.float32)
     offset = tl.zeros_like(scale) + (1 << (BITS - 1))
     if HAS_ZERO:
         offset += tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=inside, other=0).to(tl.float32)
-    return words, scale, offset
+    return scale, offset
 
 
 @triton.jit
@@ -489,32 +499,41 @@ def _exact_codes(codes, FP16: tl.constexpr):
 
 
 @triton.jit
-def _grid_gemv_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, y_ptr, N, K, stride_pn, stride_sn, stride_zn, group_size,
-                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Batch 1: per word, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j]) * scale;
-    program (i, s) covers rows block i over slice s of K."""
+def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, group_size,
+                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                      SPLIT_K: tl.constexpr):
+    """Batch 1. Grids: per word, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
+    * scale. Codebooks (table_ptr): sum_j codebook[code_j] x[k_j]. Program (i, s) covers rows
+    block i over slice s of K."""
     PER_WORD: tl.constexpr = 32 // BITS
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
     start, end = _k_slice(tl.program_id(1), tl.cdiv(K, PER_WORD), WORDS, SPLIT_K)
     for w0 in range(start, end, WORDS):
-        words, scale, offset = _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride_sn, stride_zn, group_size,
-                                           BITS, HAS_ZERO, WORDS)
+        words = _grid_words(packed_ptr, rn, w0, N, K, stride_pn, BITS, WORDS)
         rk = (w0 + tl.arange(0, WORDS)) * PER_WORD  # each word's first column
-        codes_x = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-        x_sum = tl.zeros((WORDS,), dtype=tl.float32)
-        for j in tl.static_range(PER_WORD):
-            x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
-            codes_x += _exact_codes((words >> (j * BITS)) & ((1 << BITS) - 1), False) * x[None, :]
-            x_sum += x
-        acc += (codes_x - offset * x_sum[None, :]) * scale
+        if CODEBOOK:
+            for j in tl.static_range(PER_WORD):
+                x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
+                codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+                value = tl.load(table_ptr + rn[:, None] * stride_tn + codes, mask=rn[:, None] < N, other=0.0)
+                acc += value.to(tl.float32) * x[None, :]
+        else:
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, w0, N, K, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, WORDS)
+            codes_x = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+            x_sum = tl.zeros((WORDS,), dtype=tl.float32)
+            for j in tl.static_range(PER_WORD):
+                x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
+                codes_x += _exact_codes((words >> (j * BITS)) & ((1 << BITS) - 1), False) * x[None, :]
+                x_sum += x
+            acc += (codes_x - offset * x_sum[None, :]) * scale
     _write(y_ptr + rn, tl.sum(acc, axis=1), rn < N, SPLIT_K)
 
 
 @triton.jit
-def _grid_gemm_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_zn, stride_ym, group_size,
-                      M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                      SPLIT_K: tl.constexpr):
+def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_ym, group_size,
+                      M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, WORDS * PER_WORD] (codes
     spread to column order) being the tensor cores' first operand, which on Hopper may stay
     in registers. Measured on an H100 against splitting the tile by bit position (eight small
@@ -526,16 +545,22 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, y_ptr, M, N, K, st
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     start, end = _k_slice(tl.program_id(2), tl.cdiv(K, PER_WORD), WORDS, SPLIT_K)
     for w0 in range(start, end, WORDS):
-        words, scale, offset = _grid_words(packed_ptr, scale_ptr, zero_ptr, rn, w0, N, K, stride_pn, stride_sn, stride_zn, group_size,
-                                           BITS, HAS_ZERO, WORDS)
+        words = _grid_words(packed_ptr, rn, w0, N, K, stride_pn, BITS, WORDS)
         shifts = tl.arange(0, PER_WORD) * BITS
         codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly: (q - offset) is exact there, and
-            # the fp16 product rounds once, as the fp32 product cast to fp16 did, so the tile is the same
-            w = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
+        if CODEBOOK:  # fp16 as stored; other activations take it as fp32, cast for the product as the general tile's are
+            w = tl.load(table_ptr + rn[:, None, None] * stride_tn + codes, mask=rn[:, None, None] < N, other=0.0)
+            if x_ptr.dtype.element_ty != tl.float16:
+                w = w.to(tl.float32)
+            w = tl.reshape(w, (BLOCK_N, WORDS * PER_WORD))
         else:
-            w = (_exact_codes(codes, False) - offset[:, :, None]) * scale[:, :, None]
-        w = tl.reshape(w, (BLOCK_N, WORDS * PER_WORD))
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, w0, N, K, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, WORDS)
+            if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly: (q - offset) is exact there, and
+                # the fp16 product rounds once, as the fp32 product cast to fp16 did, so the tile is the same
+                w = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
+            else:
+                w = (_exact_codes(codes, False) - offset[:, :, None]) * scale[:, :, None]
+            w = tl.reshape(w, (BLOCK_N, WORDS * PER_WORD))
         rk = w0 * PER_WORD + tl.arange(0, WORDS * PER_WORD)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         acc = _accumulate_dot(acc, w, tl.trans(x))
@@ -560,14 +585,17 @@ GEMM_CONFIGS = [
         (16, 64, 16, 2, 4, 4), (16, 64, 32, 4, 4, 3), (16, 128, 32, 4, 8, 3), (32, 64, 16, 4, 4, 4), (64, 64, 16, 2, 4, 4), (64, 128, 32, 2, 8, 3),
     ]
 ]
-_GEMV = _tuned(_grid_gemv_kernel, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO"])
-_GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO"])
+_GEMV = _tuned(_grid_gemv_kernel, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK"])
+_GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK"])
 
 
 def _takes_fast_grid(weight: PackedWeight) -> bool:
-    """Whole codes per word, and each word within one group."""
-    if weight.codebook is not None or weight.bitmask is not None or weight.bits not in (2, 4, 8):
+    """Whole codes per word; on a grid, each word within one group; codebooks of 2 or 4 bits
+    (a row's 256 8-bit values would not fit in registers)."""
+    if weight.bitmask is not None or weight.bits not in (2, 4, 8):
         return False
+    if weight.codebook is not None:
+        return weight.bits <= 4
     return weight.scale.shape[1] == 1 or weight.group_size % (32 // weight.bits) == 0
 
 
@@ -575,9 +603,10 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     """The fast grid kernels: GEMV for one row of x, GEMM for more; autotuned, or with the given
     launch shape (one of GEMV_CONFIGS / GEMM_CONFIGS: how tests run each shape the tuner may pick)."""
     M, K = x.shape
-    zero = weight.zero if weight.zero is not None else weight.scale  # an unused pointer still needs a tensor
-    strides = (weight.packed.stride(0), weight.scale.stride(0), zero.stride(0))
-    common = dict(group_size=weight.group_size, BITS=weight.bits, HAS_ZERO=weight.zero is not None)
+    table = weight.codebook if weight.codebook is not None else weight.scale
+    zero = weight.zero if weight.zero is not None else table  # an unused pointer still needs a tensor
+    strides = (weight.packed.stride(0), table.stride(0), zero.stride(0))
+    common = dict(group_size=weight.group_size or 1, BITS=weight.bits, HAS_ZERO=weight.zero is not None, CODEBOOK=weight.codebook is not None)
     kernel, settings = _GEMV if M == 1 else _GEMM
     if config is not None:
         kernel, settings = (_grid_gemv_kernel if M == 1 else _grid_gemm_kernel), config.all_kwargs()
@@ -585,10 +614,10 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
             config.pre_hook({"y_ptr": y})
     if M == 1:
         grid = lambda meta: (triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-        kernel[grid](x, weight.packed, weight.scale, zero, y, weight.rows, K, *strides, **common, **settings)
+        kernel[grid](x, weight.packed, table, zero, y, weight.rows, K, *strides, **common, **settings)
     else:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-        kernel[grid](x, weight.packed, weight.scale, zero, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
+        kernel[grid](x, weight.packed, table, zero, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
                      M_BUCKET=min(triton.next_power_of_2(M), 128), **common, **settings)
     return y
 

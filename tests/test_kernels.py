@@ -153,14 +153,16 @@ def test_triton_backend_is_chosen_on_import_of_lmpress():
 
 
 def test_fast_grid_path_takes_whole_word_grids():
-    """2/4/8-bit grids go to the word-at-a-time kernels; the rest to the general tile kernels."""
+    """2/4/8-bit grids and 2/4-bit codebooks go to the word-at-a-time kernels; the rest to the
+    general tile kernels."""
     from compressors.packed_int import _takes_fast_grid
 
     assert _takes_fast_grid(packed(4, 8, 128, 32)) and _takes_fast_grid(packed(4, 8, 192, 96))
     assert _takes_fast_grid(packed(8, 8, 100, 100, "asymmetric"))  # one group per row
     assert not _takes_fast_grid(packed(4, 8, 200, 100))  # a word would straddle two groups
     assert not _takes_fast_grid(packed(3, 8, 96, 32))  # codes straddle words
-    assert not _takes_fast_grid(packed(4, 8, 64, None, "codebook"))
+    assert _takes_fast_grid(packed(4, 8, 64, None, "codebook")) and _takes_fast_grid(packed(2, 8, 64, None, "codebook"))
+    assert not _takes_fast_grid(packed(3, 8, 64, None, "codebook")) and not _takes_fast_grid(packed(8, 8, 64, None, "codebook"))
     assert not _takes_fast_grid(packed(4, 8, 64, 32, "2:4 symmetric"))
 
 
@@ -172,7 +174,7 @@ def test_every_tuned_launch_shape_matches_reference(batch, configs, dtype):
     here by hand, on K that leaves the last slice short and N off every block."""
     from compressors import packed_int
 
-    weights = [packed(4, 37, 1344, 32, "asymmetric"), packed(8, 20, 200, None), packed(2, 9, 512, 64)]
+    weights = [packed(4, 37, 1344, 32, "asymmetric"), packed(8, 20, 200, None), packed(2, 9, 512, 64), packed(4, 11, 416, None, "codebook")]
     for config in getattr(packed_int, configs):
         for weight in weights:
             x = torch.randn(batch, weight.columns, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
