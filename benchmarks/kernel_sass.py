@@ -101,7 +101,7 @@ def compiles(module, name: str, constexprs: dict, activations: str) -> dict:
     taken = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
     if any(constexprs[key] is not NEUTRAL.get(key) for key in constexprs.keys() - taken.keys()):
         return {}
-    return opcodes(sass(kernel, taken, activations if "dequantize" not in name else "fp16"))
+    return opcodes(sass(kernel, taken, activations))
 
 
 def main() -> None:

@@ -429,8 +429,7 @@ def _split_k(config: dict, **launch) -> "triton.Config":
     This fills the GPU when N / BLOCK_N programs alone would leave SMs idle. On sm_90 an fp16
     atomic add compiles to a compare-and-swap loop (fp32 to one REDG): the tuner's timing
     weighs that against the programs gained."""
-    split = config.setdefault("SPLIT_K", 1)
-    zero_y = (lambda args: args["y_ptr"].zero_()) if split > 1 else None
+    zero_y = (lambda args: args["y_ptr"].zero_()) if config["SPLIT_K"] > 1 else None
     return triton.Config(config, pre_hook=zero_y, **launch)
 
 
@@ -607,8 +606,9 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     zero = weight.zero if weight.zero is not None else table  # an unused pointer still needs a tensor
     strides = (weight.packed.stride(0), table.stride(0), zero.stride(0))
     common = dict(group_size=weight.group_size or 1, BITS=weight.bits, HAS_ZERO=weight.zero is not None, CODEBOOK=weight.codebook is not None)
-    kernel, settings = _GEMV if M == 1 else _GEMM
-    if config is not None:
+    if config is None:
+        kernel, settings = _GEMV if M == 1 else _GEMM
+    else:
         kernel, settings = (_grid_gemv_kernel if M == 1 else _grid_gemm_kernel), config.all_kwargs()
         if config.pre_hook is not None:
             config.pre_hook({"y_ptr": y})
