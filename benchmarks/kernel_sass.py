@@ -78,6 +78,11 @@ CASES = [
     ("grid GEMM int4 split-K 2", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16, SPLIT_K=2)),
     ("grid GEMV codebook 4-bit", "_grid_gemv_kernel", dict(GRID, CODEBOOK=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMM codebook 4-bit", "_grid_gemm_kernel", dict(GRID, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMV int3", "_grid_gemv_kernel", dict(GRID, BITS=3, BLOCK_N=8, WORDS=128)),
+    ("grid GEMV int3 asymmetric", "_grid_gemv_kernel", dict(GRID, BITS=3, HAS_ZERO=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMM int3", "_grid_gemm_kernel", dict(GRID, BITS=3, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMV codebook 3-bit", "_grid_gemv_kernel", dict(GRID, BITS=3, CODEBOOK=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMM codebook 3-bit", "_grid_gemm_kernel", dict(GRID, BITS=3, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("general GEMV int3 asymmetric", "_gemv_kernel", dict(GENERAL, BITS=3, HAS_ZERO=True, BLOCK_N=64, BLOCK_K=64)),
     ("general GEMV codebook 4-bit", "_gemv_kernel", dict(GENERAL, BITS=4, CODEBOOK=True, BLOCK_N=64, BLOCK_K=64)),
     ("general GEMM codebook 4-bit", "_gemm_kernel", dict(GENERAL, BITS=4, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
@@ -90,7 +95,8 @@ CASES = [
 def codes_per_thread(constexprs: dict, threads: int = 4 * 32) -> int:
     """Weights one thread decodes per loop iteration (the tile over the default 4 warps); with
     the loop body compiled once, total / this is roughly the instructions spent per weight."""
-    columns = constexprs["WORDS"] * (32 // constexprs["BITS"]) if "WORDS" in constexprs else constexprs["BLOCK_K"]
+    bits = constexprs["BITS"]
+    columns = packed_int.block_units(bits, constexprs["WORDS"]) * packed_int.unit_codes(bits) if "WORDS" in constexprs else constexprs["BLOCK_K"]
     return constexprs["BLOCK_N"] * columns // threads
 
 
@@ -98,6 +104,8 @@ def compiles(module, name: str, constexprs: dict, activations: str) -> dict:
     """Keep only the constexprs the kernel takes (an earlier version may lack SPLIT_K or
     CODEBOOK); empty if the case needs a setting the kernel lacks."""
     kernel = getattr(module, name)
+    if name.startswith("_grid") and constexprs["BITS"] == 3 and not hasattr(module, "unit_words"):
+        return {}  # grid kernels before 3-bit units took whole codes per word only
     taken = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
     if any(constexprs[key] is not NEUTRAL.get(key) for key in constexprs.keys() - taken.keys()):
         return {}

@@ -6,7 +6,7 @@ Needs a CUDA GPU (on the CPU Triton only interprets, so no speed means anything 
 with --smoke to check the script itself on tiny shapes). Random weights, since speed does not
 depend on values. Per shape (N x K: out x in) and batch: torch fp16 matmul (dense), lmpress's
 Triton kernels for int4 group 128, int8 group 128, int3 group 128, int4 asymmetric group
-128, a 4-bit codebook, and 2:4 sparse weights with fp16 values or int4 values (group 128 over the inputs);
+128, 4 and 3-bit codebooks, and 2:4 sparse weights with fp16 values or int4 values (group 128 over the inputs);
 bitsandbytes NF4 when it is installed, and torch's own 2:4 path (`to_sparse_semi_structured`,
 cuSPARSELt/CUTLASS) on the same 2:4 weight; each as time and speedup over fp16. Times are GPU
 time per call, median, replayed from a CUDA graph (no launch overhead, as in serving engines),
@@ -41,7 +41,7 @@ from compressors.packed_int import PackedWeight, matmul_reference, matmul_triton
 # the kinds timed here, as (bits, stored kind) of compressors.packed_int.random_packed_weight
 KINDS = {
     "int4": (4, "symmetric"), "int8": (8, "symmetric"), "int3": (3, "symmetric"), "int4-asym": (4, "asymmetric"),
-    "codebook4": (4, "codebook"), "sparse24-fp16": (16, "2:4 fp16"), "sparse24-int4": (4, "2:4 symmetric"),
+    "codebook4": (4, "codebook"), "codebook3": (3, "codebook"), "sparse24-fp16": (16, "2:4 fp16"), "sparse24-int4": (4, "2:4 symmetric"),
 }
 
 
@@ -71,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096", help="NxK (out x in), comma-separated")
     parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--kinds", default="int4,int8,int3,int4-asym,codebook4,sparse24-fp16,sparse24-int4", help="packed weights to time")
+    parser.add_argument("--kinds", default="int4,int8,int3,int4-asym,codebook4,codebook3,sparse24-fp16,sparse24-int4", help="packed weights to time")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works in the Triton interpreter)")
     parser.add_argument("--baseline", type=Path, help="another version of compressors/packed_int.py to time side by side")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_speed")
@@ -129,7 +129,7 @@ def main() -> None:
                     row[f"{prefix}{kind}_max_abs_error"] = error
                     if batch == 1:
                         row[f"{prefix}{kind}_bandwidth_fraction"] = round(weight.nbytes / seconds / bandwidth, 3)
-                if kind in ("int4", "int8"):  # the launch shape the autotuner chose
+                if kind in ("int4", "int8", "int3"):  # the launch shape the autotuner chose
                     tuned = (packed_int._GEMV if batch == 1 else packed_int._GEMM)[0]
                     row[f"{kind}_config"] = str(getattr(tuned, "best_config", ""))
             if semi_structured is not None:

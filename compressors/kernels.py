@@ -53,8 +53,9 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 def _self_check_weights(device: torch.device) -> list[PackedWeight]:
-    """Small weights of each decoding path: 4-bit symmetric, 3-bit asymmetric (codes straddle
-    words), 3-bit codebook, and 2:4 sparse with fp16 or 4-bit values."""
+    """Small weights of each decoding path: 4-bit symmetric, 3-bit asymmetric in groups of 40
+    (the general kernels: codes straddle words and groups), a 3-bit codebook (the whole-unit
+    kernels: 32 codes in 3 words), and 2:4 sparse with fp16 or 4-bit values."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from compressors.packed_int import pack_sparse24

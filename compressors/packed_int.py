@@ -401,14 +401,16 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 
 # --------------------------------------------------------------------------- fast grid path
 #
-# The common serving case, codes that fill 32-bit words exactly (a uniform grid of 2, 4 or 8
-# bits, or a 2 or 4-bit codebook; not 2:4), gets kernels of its own. They work on tiles of whole words
-# [BLOCK_N, WORDS] and take the codes at bit position j of every word at once: that slice is
-# the columns j, j + PER_WORD, j + 2 PER_WORD, ... so it meets the matching strided slice of
-# x, and a sum over k may run in that order. The words are loaded once, coalesced, and never
-# rearranged in registers (the general tile above loads a word per code). A word's codes share
-# one group as long as the group size is a multiple of the codes per word, which then holds
-# for 16 and up, per-channel included. A codebook's codes are looked up in their rows'
+# The common serving case, a uniform grid of 2, 3, 4 or 8 bits or a codebook of 2 to 4 bits (not
+# 2:4), gets kernels of its own. They work on units of whole codes: a 32-bit word, or for 3
+# bits three words holding 32 codes (codes 10 and 21 straddle two words), in tiles
+# [BLOCK_N, UNITS]. Code j of every unit sits at the same bits, known at compile time, so the
+# kernels take code j of all units at once: that slice is the columns j, j + CODES,
+# j + 2 CODES, ... so it meets the matching strided slice of x, and a sum over k may run in
+# that order. The words are loaded once each and never rearranged in registers (the general
+# tile above loads a word per code). A unit's codes share one group as long as the group size
+# is a multiple of the codes per unit (32 for 3 bits; for 4 bits 8, so 16 and up), per-channel
+# included. A codebook's codes are looked up in their rows'
 # tables with one load per code: 2^bits values a row stay in L1. (tl.gather from tables held
 # in registers compiles to about 8 warp shuffles per code on sm_90, per
 # benchmarks/kernel_sass.py.) On a GPU Triton's autotuner picks the launch shape per layer
@@ -442,11 +444,11 @@ def _split_k_fits(configs: list, named_args: dict, **kwargs) -> list:
 
 
 @triton.jit
-def _k_slice(index, total_words, WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The words [start, end) that slice `index` of K covers, in whole WORDS blocks."""
-    span = tl.cdiv(tl.cdiv(total_words, SPLIT_K), WORDS) * WORDS
+def _k_slice(index, total_units, UNITS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The units [start, end) that slice `index` of K covers, in whole blocks of UNITS."""
+    span = tl.cdiv(tl.cdiv(total_units, SPLIT_K), UNITS) * UNITS
     start = index * span
-    return start, tl.minimum(start + span, total_words)
+    return start, tl.minimum(start + span, total_units)
 
 
 @triton.jit
@@ -458,23 +460,92 @@ def _write(pointers, values, mask, SPLIT_K: tl.constexpr):
         tl.atomic_add(pointers, values.to(pointers.dtype.element_ty), mask=mask, sem="relaxed")
 
 
+@triton.constexpr_function
+def unit_words(bits: int) -> int:
+    """Words a unit of whole codes spans: one, or three for 3 bits (32 codes in 96 bits)."""
+    return bits if 32 % bits else 1
+
+
+@triton.constexpr_function
+def unit_codes(bits: int) -> int:
+    """Whole codes a unit holds."""
+    return 32 * unit_words(bits) // bits
+
+
+@triton.constexpr_function
+def block_units(bits: int, words: int) -> int:
+    """Units a block takes: WORDS words, or for 3 bits the columns of WORDS 4-bit words."""
+    return words // 4 if unit_words(bits) == 3 else words
+
+
 @triton.jit
-def _grid_words(packed_ptr, rn, w0, N, K, stride_pn, BITS: tl.constexpr, WORDS: tl.constexpr):
-    """Words [BLOCK_N, WORDS] of rows rn from word w0 on, zero outside the matrix."""
-    rw = w0 + tl.arange(0, WORDS)
-    inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(K, 32 // BITS))
+def _grid_words(packed_ptr, rn, u0, N, K, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr, i: tl.constexpr):
+    """Word i of each unit [BLOCK_N, UNITS] of rows rn from unit u0 on, zero outside the matrix."""
+    rw = (u0 + tl.arange(0, UNITS)) * SPANS + i
+    inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(K * BITS, 32))
     return tl.load(packed_ptr + rn[:, None] * stride_pn + rw[None, :], mask=inside, other=0)
 
 
 @triton.jit
-def _group_scales(scale_ptr, zero_ptr, rn, w0, N, K, stride_sn, stride_zn, group_size, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                  WORDS: tl.constexpr):
-    """Per word [BLOCK_N, WORDS] the scale and the offset (2^(bits-1) + zero point) of the
+def _unit_words(packed_ptr, rn, u0, N, K, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr):
+    """A unit's words (the same tensor thrice when a unit is one word), loaded once each."""
+    first = _grid_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS, 0)
+    if SPANS == 3:
+        second = _grid_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS, 1)
+        third = _grid_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS, 2)
+    else:
+        second = first
+        third = first
+    return first, second, third
+
+
+@triton.jit
+def _unit_code(first, second, third, j: tl.constexpr, BITS: tl.constexpr):
+    """Code j (unsigned) of every unit: bits [j * BITS, j * BITS + BITS) of its words, all
+    positions known at compile time, so a code is a shift and a mask, and a straddling one
+    (3 bits: codes 10 and 21) two shifts, two masks and an OR."""
+    WORD: tl.constexpr = j * BITS // 32
+    SHIFT: tl.constexpr = j * BITS % 32
+    if WORD == 0:
+        low = first
+        high = second
+    elif WORD == 1:
+        low = second
+        high = third
+    else:
+        low = third
+        high = third
+    code = low >> SHIFT  # arithmetic shift: the mask below drops the copied sign bits
+    if SHIFT + BITS > 32:
+        code = (code & ((1 << (32 - SHIFT)) - 1)) | (high << (32 - SHIFT))
+    return code & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _unit_codes(first, second, third, BITS: tl.constexpr, CODES: tl.constexpr, SPANS: tl.constexpr):
+    """Every code of every unit [BLOCK_N, UNITS, CODES] (unsigned), in column order."""
+    bit = tl.arange(0, CODES) * BITS
+    if SPANS == 1:
+        codes = (first[:, :, None] >> bit[None, None, :]) & ((1 << BITS) - 1)
+    else:  # each position's word and shift are fixed; a straddling code takes its high bits from the next word
+        bit = bit[None, None, :]
+        low = tl.where(bit < 32, first[:, :, None], tl.where(bit < 64, second[:, :, None], third[:, :, None]))
+        high = tl.where(bit < 32, second[:, :, None], third[:, :, None])
+        shift = bit % 32
+        codes = low.to(tl.uint32, bitcast=True) >> shift
+        codes = tl.where(shift + BITS > 32, codes | (high.to(tl.uint32, bitcast=True) << ((32 - shift) % 32)), codes)
+        codes = (codes & ((1 << BITS) - 1)).to(tl.int32, bitcast=True)
+    return codes
+
+
+@triton.jit
+def _group_scales(scale_ptr, zero_ptr, rn, u0, N, K, stride_sn, stride_zn, group_size, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  UNITS: tl.constexpr, CODES: tl.constexpr):
+    """Per unit [BLOCK_N, UNITS] the scale and the offset (2^(bits-1) + zero point) of the
     group it lies in: value = (code - offset) * scale."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    rw = w0 + tl.arange(0, WORDS)
-    inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(K, PER_WORD))
-    group = (rw[None, :] * PER_WORD) // group_size
+    first_column = (u0 + tl.arange(0, UNITS)) * CODES
+    inside = (rn[:, None] < N) & (first_column[None, :] < K)
+    group = first_column[None, :] // group_size
     scale = tl.load(scale_ptr + rn[:, None] * stride_sn + group, mask=inside, other=0.0).to(tl.float32)
     offset = tl.zeros_like(scale) + (1 << (BITS - 1))
     if HAS_ZERO:
@@ -501,29 +572,31 @@ def _exact_codes(codes, FP16: tl.constexpr):
 def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, group_size,
                       BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
                       SPLIT_K: tl.constexpr):
-    """Batch 1. Grids: per word, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
+    """Batch 1. Grids: per unit, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
     * scale. Codebooks (table_ptr): sum_j codebook[code_j] x[k_j]. Program (i, s) covers rows
     block i over slice s of K."""
-    PER_WORD: tl.constexpr = 32 // BITS
+    SPANS: tl.constexpr = unit_words(BITS)
+    CODES: tl.constexpr = unit_codes(BITS)
+    UNITS: tl.constexpr = block_units(BITS, WORDS)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-    start, end = _k_slice(tl.program_id(1), tl.cdiv(K, PER_WORD), WORDS, SPLIT_K)
-    for w0 in range(start, end, WORDS):
-        words = _grid_words(packed_ptr, rn, w0, N, K, stride_pn, BITS, WORDS)
-        rk = (w0 + tl.arange(0, WORDS)) * PER_WORD  # each word's first column
+    acc = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
+    start, end = _k_slice(tl.program_id(1), tl.cdiv(K, CODES), UNITS, SPLIT_K)
+    for u0 in range(start, end, UNITS):
+        first, second, third = _unit_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS)
+        rk = (u0 + tl.arange(0, UNITS)) * CODES  # each unit's first column
         if CODEBOOK:
-            for j in tl.static_range(PER_WORD):
+            for j in tl.static_range(CODES):
                 x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
-                codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+                codes = _unit_code(first, second, third, j, BITS)
                 value = tl.load(table_ptr + rn[:, None] * stride_tn + codes, mask=rn[:, None] < N, other=0.0)
                 acc += value.to(tl.float32) * x[None, :]
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, w0, N, K, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, WORDS)
-            codes_x = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-            x_sum = tl.zeros((WORDS,), dtype=tl.float32)
-            for j in tl.static_range(PER_WORD):
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, K, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
+            codes_x = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
+            x_sum = tl.zeros((UNITS,), dtype=tl.float32)
+            for j in tl.static_range(CODES):
                 x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
-                codes_x += _exact_codes((words >> (j * BITS)) & ((1 << BITS) - 1), False) * x[None, :]
+                codes_x += _exact_codes(_unit_code(first, second, third, j, BITS), False) * x[None, :]
                 x_sum += x
             acc += (codes_x - offset * x_sum[None, :]) * scale
     _write(y_ptr + rn, tl.sum(acc, axis=1), rn < N, SPLIT_K)
@@ -533,34 +606,35 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, N, K, strid
 def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_ym, group_size,
                       M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, WORDS * PER_WORD] (codes
+    """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, UNITS * CODES] (codes
     spread to column order) being the tensor cores' first operand, which on Hopper may stay
     in registers. Measured on an H100 against splitting the tile by bit position (eight small
     products per tile) and against w as the second operand: this was fastest
     (benchmarks/results/kernel_speed.md). Program (i, j, s) covers slice s of K."""
-    PER_WORD: tl.constexpr = 32 // BITS
+    SPANS: tl.constexpr = unit_words(BITS)
+    CODES: tl.constexpr = unit_codes(BITS)
+    UNITS: tl.constexpr = block_units(BITS, WORDS)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    start, end = _k_slice(tl.program_id(2), tl.cdiv(K, PER_WORD), WORDS, SPLIT_K)
-    for w0 in range(start, end, WORDS):
-        words = _grid_words(packed_ptr, rn, w0, N, K, stride_pn, BITS, WORDS)
-        shifts = tl.arange(0, PER_WORD) * BITS
-        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    start, end = _k_slice(tl.program_id(2), tl.cdiv(K, CODES), UNITS, SPLIT_K)
+    for u0 in range(start, end, UNITS):
+        first, second, third = _unit_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS)
+        codes = _unit_codes(first, second, third, BITS, CODES, SPANS)
         if CODEBOOK:  # fp16 as stored; other activations take it as fp32, cast for the product as the general tile's are
             w = tl.load(table_ptr + rn[:, None, None] * stride_tn + codes, mask=rn[:, None, None] < N, other=0.0)
             if x_ptr.dtype.element_ty != tl.float16:
                 w = w.to(tl.float32)
-            w = tl.reshape(w, (BLOCK_N, WORDS * PER_WORD))
+            w = tl.reshape(w, (BLOCK_N, UNITS * CODES))
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, w0, N, K, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, WORDS)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, K, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
             if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly: (q - offset) is exact there, and
                 # the fp16 product rounds once, as the fp32 product cast to fp16 did, so the tile is the same
                 w = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
             else:
                 w = (_exact_codes(codes, False) - offset[:, :, None]) * scale[:, :, None]
-            w = tl.reshape(w, (BLOCK_N, WORDS * PER_WORD))
-        rk = w0 * PER_WORD + tl.arange(0, WORDS * PER_WORD)
+            w = tl.reshape(w, (BLOCK_N, UNITS * CODES))
+        rk = u0 * CODES + tl.arange(0, UNITS * CODES)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         acc = _accumulate_dot(acc, w, tl.trans(x))
     _write(y_ptr + rm[:, None] * stride_ym + rn[None, :], tl.trans(acc), (rm[:, None] < M) & (rn[None, :] < N), SPLIT_K)
@@ -589,13 +663,13 @@ _GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS
 
 
 def _takes_fast_grid(weight: PackedWeight) -> bool:
-    """Whole codes per word; on a grid, each word within one group; codebooks of 2 or 4 bits
-    (a row's 256 8-bit values would not fit in registers)."""
-    if weight.bitmask is not None or weight.bits not in (2, 4, 8):
+    """Whole codes per unit (a word; for 3 bits three words); on a grid, each unit within one
+    group; codebooks of 2 to 4 bits (a row's 256 8-bit values would not stay in L1)."""
+    if weight.bitmask is not None or weight.bits not in (2, 3, 4, 8):
         return False
     if weight.codebook is not None:
         return weight.bits <= 4
-    return weight.scale.shape[1] == 1 or weight.group_size % (32 // weight.bits) == 0
+    return weight.scale.shape[1] == 1 or weight.group_size % unit_codes(weight.bits) == 0
 
 
 def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config: "triton.Config | None" = None) -> torch.Tensor:

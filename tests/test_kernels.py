@@ -25,6 +25,7 @@ def packed(bits, rows, columns, group, kind="symmetric", seed=0):
 SHAPES = [  # bits, N, K, group, decode: K off the 64-column block, per-channel, one output row, 3-bit codes straddling words
     (4, 96, 160, 32, "symmetric"), (4, 1, 128, 64, "symmetric"), (8, 40, 100, 100, "symmetric"), (2, 64, 96, 32, "symmetric"),
     (4, 130, 64, 64, "symmetric"), (4, 24, 36, 36, "asymmetric"), (3, 72, 100, 50, "symmetric"), (3, 33, 96, 32, "asymmetric"), (8, 20, 64, 32, "asymmetric"),
+    (3, 1, 200, None, "symmetric"),  # 3-bit per-channel: K ends inside a 3-word unit of 32 codes
     (3, 70, 100, None, "codebook"), (4, 1, 160, None, "codebook"), (2, 17, 64, None, "codebook"),
     # 2:4 sparse: K = 100 ends in half a mask byte; fp16 values, 4-bit grids over the kept half
     (16, 50, 100, None, "2:4 fp16"), (16, 1, 64, None, "2:4 fp16"), (4, 40, 160, 32, "2:4 symmetric"), (4, 33, 128, 64, "2:4 asymmetric"),
@@ -153,16 +154,17 @@ def test_triton_backend_is_chosen_on_import_of_lmpress():
 
 
 def test_fast_grid_path_takes_whole_word_grids():
-    """2/4/8-bit grids and 2/4-bit codebooks go to the word-at-a-time kernels; the rest to the
+    """2/3/4/8-bit grids and 2-4-bit codebooks go to the whole-unit kernels; the rest to the
     general tile kernels."""
     from compressors.packed_int import _takes_fast_grid
 
     assert _takes_fast_grid(packed(4, 8, 128, 32)) and _takes_fast_grid(packed(4, 8, 192, 96))
     assert _takes_fast_grid(packed(8, 8, 100, 100, "asymmetric"))  # one group per row
     assert not _takes_fast_grid(packed(4, 8, 200, 100))  # a word would straddle two groups
-    assert not _takes_fast_grid(packed(3, 8, 96, 32))  # codes straddle words
-    assert _takes_fast_grid(packed(4, 8, 64, None, "codebook")) and _takes_fast_grid(packed(2, 8, 64, None, "codebook"))
-    assert not _takes_fast_grid(packed(3, 8, 64, None, "codebook")) and not _takes_fast_grid(packed(8, 8, 64, None, "codebook"))
+    assert _takes_fast_grid(packed(3, 8, 256, 128)) and _takes_fast_grid(packed(3, 8, 100, None))  # 3 words hold 32 codes
+    assert not _takes_fast_grid(packed(3, 8, 96, 48))  # a 32-code unit would straddle two groups
+    assert all(_takes_fast_grid(packed(bits, 8, 64, None, "codebook")) for bits in (2, 3, 4))
+    assert not _takes_fast_grid(packed(8, 8, 64, None, "codebook"))
     assert not _takes_fast_grid(packed(4, 8, 64, 32, "2:4 symmetric"))
 
 
@@ -174,7 +176,8 @@ def test_every_tuned_launch_shape_matches_reference(batch, configs, dtype):
     here by hand, on K that leaves the last slice short and N off every block."""
     from compressors import packed_int
 
-    weights = [packed(4, 37, 1344, 32, "asymmetric"), packed(8, 20, 200, None), packed(2, 9, 512, 64), packed(4, 11, 416, None, "codebook")]
+    weights = [packed(4, 37, 1344, 32, "asymmetric"), packed(8, 20, 200, None), packed(2, 9, 512, 64), packed(4, 11, 416, None, "codebook"),
+               packed(3, 13, 1312, 32, "asymmetric"), packed(3, 7, 100, None, "codebook")]  # 3 bits: 41 units; a last unit of 4 codes
     for config in getattr(packed_int, configs):
         for weight in weights:
             x = torch.randn(batch, weight.columns, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
