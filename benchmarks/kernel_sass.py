@@ -66,7 +66,7 @@ def opcodes(machine_code: str) -> collections.Counter:
 
 # (name, kernel attribute, constexprs): the decode paths lmpress serves, grid kernels at one
 # launch shape each (which shape the autotuner picks changes tiling, not the code paths)
-NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False}  # settings that an earlier kernel without them had implicitly
+NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False}  # settings that an earlier kernel without them had implicitly
 GRID = dict(BITS=4, HAS_ZERO=False, **NEUTRAL)
 GENERAL = dict(CODEBOOK=False, HAS_ZERO=False, SPARSE24=False)
 CASES = [
@@ -83,6 +83,9 @@ CASES = [
     ("grid GEMM int3", "_grid_gemm_kernel", dict(GRID, BITS=3, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMV codebook 3-bit", "_grid_gemv_kernel", dict(GRID, BITS=3, CODEBOOK=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMM codebook 3-bit", "_grid_gemm_kernel", dict(GRID, BITS=3, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMV 2:4 int4", "_grid_gemv_kernel", dict(GRID, SPARSE24=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMM 2:4 int4", "_grid_gemm_kernel", dict(GRID, SPARSE24=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("general GEMV 2:4 int4", "_gemv_kernel", dict(GENERAL, BITS=4, SPARSE24=True, BLOCK_N=64, BLOCK_K=64)),
     ("general GEMV int3 asymmetric", "_gemv_kernel", dict(GENERAL, BITS=3, HAS_ZERO=True, BLOCK_N=64, BLOCK_K=64)),
     ("general GEMV codebook 4-bit", "_gemv_kernel", dict(GENERAL, BITS=4, CODEBOOK=True, BLOCK_N=64, BLOCK_K=64)),
     ("general GEMM codebook 4-bit", "_gemm_kernel", dict(GENERAL, BITS=4, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
@@ -92,11 +95,15 @@ CASES = [
 ]
 
 
-def codes_per_thread(constexprs: dict, threads: int = 4 * 32) -> int:
-    """Weights one thread decodes per loop iteration (the tile over the default 4 warps); with
-    the loop body compiled once, total / this is roughly the instructions spent per weight."""
-    bits = constexprs["BITS"]
-    columns = packed_int.block_units(bits, constexprs["WORDS"]) * packed_int.unit_codes(bits) if "WORDS" in constexprs else constexprs["BLOCK_K"]
+def weights_per_thread(constexprs: dict, threads: int = 4 * 32) -> int:
+    """Weights one thread covers per loop iteration (the tile over the default 4 warps; 2:4:
+    dense weights, the zeros included); with the loop body compiled once, total / this is
+    roughly the instructions spent per weight of the layer."""
+    bits, sparse = constexprs["BITS"], constexprs.get("SPARSE24", False)
+    if "WORDS" in constexprs:
+        columns = packed_int.block_units(bits, constexprs["WORDS"], sparse) * packed_int.unit_codes(bits) * (2 if sparse else 1)
+    else:
+        columns = constexprs["BLOCK_K"]
     return constexprs["BLOCK_N"] * columns // threads
 
 
@@ -138,7 +145,7 @@ def main() -> None:
     rows = []
     for title, name, constexprs in CASES:
         counts = {version: compiles(module, name, constexprs, "fp16") for version, module in versions.items()}
-        row = {"kernel": title, "codes_per_thread": codes_per_thread(constexprs)}
+        row = {"kernel": title, "weights_per_thread": weights_per_thread(constexprs)}
         for version, ops in counts.items():
             if ops:
                 row[version] = {"total": sum(ops.values()), **{op: ops[op] for op in watched if ops[op]}}
@@ -150,13 +157,13 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"SASS instructions per compiled kernel, {report['target']}, Triton {report['triton']}"
              + (f"; baseline: {report['baseline']}" if args.baseline else ""), "",
-             "| kernel | version | codes a thread decodes per iteration | total | total per code | " + " | ".join(watched) + " |",
+             "| kernel | version | weights a thread covers per iteration (2:4: dense) | total | total per weight | " + " | ".join(watched) + " |",
              "|" + "---|" * (len(watched) + 5)]
     for row in rows:
         for version in versions:
             if version in row:
-                lines.append(f"| {row['kernel']} | {version} | {row['codes_per_thread']} | {row[version]['total']} | "
-                             f"{row[version]['total'] / row['codes_per_thread']:.1f} | "
+                lines.append(f"| {row['kernel']} | {version} | {row['weights_per_thread']} | {row[version]['total']} | "
+                             f"{row[version]['total'] / row['weights_per_thread']:.1f} | "
                              + " | ".join(str(row[version].get(op, "")) for op in watched) + " |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -401,8 +401,8 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 
 # --------------------------------------------------------------------------- fast grid path
 #
-# The common serving case, a uniform grid of 2, 3, 4 or 8 bits or a codebook of 2 to 4 bits (not
-# 2:4), gets kernels of its own. They work on units of whole codes: a 32-bit word, or for 3
+# The common serving case, a uniform grid of 2, 3, 4 or 8 bits or a codebook of 2 to 4 bits, and
+# 2:4 weights on a grid of 2, 4 or 8 bits, gets kernels of its own. They work on units of whole codes: a 32-bit word, or for 3
 # bits three words holding 32 codes (codes 10 and 21 straddle two words), in tiles
 # [BLOCK_N, UNITS]. Code j of every unit sits at the same bits, known at compile time, so the
 # kernels take code j of all units at once: that slice is the columns j, j + CODES,
@@ -410,7 +410,9 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 # that order. The words are loaded once each and never rearranged in registers (the general
 # tile above loads a word per code). A unit's codes share one group as long as the group size
 # is a multiple of the codes per unit (32 for 3 bits; for 4 bits 8, so 16 and up), per-channel
-# included. A codebook's codes are looked up in their rows'
+# included. A 2:4 word's codes are spread over the twice as many dense columns they stand
+# for (`_sparse24_code`), zeros included, so the tile meets x's dense columns in order.
+# A codebook's codes are looked up in their rows'
 # tables with one load per code: 2^bits values a row stay in L1. (tl.gather from tables held
 # in registers compiles to about 8 warp shuffles per code on sm_90, per
 # benchmarks/kernel_sass.py.) On a GPU Triton's autotuner picks the launch shape per layer
@@ -473,9 +475,11 @@ def unit_codes(bits: int) -> int:
 
 
 @triton.constexpr_function
-def block_units(bits: int, words: int) -> int:
-    """Units a block takes: WORDS words, or for 3 bits the columns of WORDS 4-bit words."""
-    return words // 4 if unit_words(bits) == 3 else words
+def block_units(bits: int, words: int, sparse24: bool = False) -> int:
+    """Units a block takes: WORDS words, or for 3 bits the columns of WORDS 4-bit words; 2:4
+    weights half as many (each stored code stands for two dense columns)."""
+    units = words // 4 if unit_words(bits) == 3 else words
+    return units // 2 if sparse24 else units
 
 
 @triton.jit
@@ -539,6 +543,35 @@ def _unit_codes(first, second, third, BITS: tl.constexpr, CODES: tl.constexpr, S
 
 
 @triton.jit
+def _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS: tl.constexpr, UNITS: tl.constexpr):
+    """2:4: the keep bits of the 2 * CODES dense columns each word [BLOCK_N, UNITS] stands
+    for (bit d: column d kept), from their mask bytes."""
+    DENSE: tl.constexpr = 2 * (32 // BITS)
+    rw = u0 + tl.arange(0, UNITS)
+    keep = tl.zeros((rn.shape[0], UNITS), dtype=tl.int32)
+    for b in tl.static_range(DENSE // 8):
+        byte = rw * (DENSE // 8) + b
+        inside = (rn[:, None] < N) & (byte[None, :] < tl.cdiv(K, 8))
+        keep |= tl.load(bitmask_ptr + rn[:, None] * stride_bn + byte[None, :], mask=inside, other=0).to(tl.int32) << (8 * b)
+    return keep
+
+
+@triton.jit
+def _sparse24_code(word, keep, d, BITS: tl.constexpr):
+    """2:4: the unsigned code at dense column d of each word, and whether d is kept (else the
+    weight is zero). d is a constant (the GEMV's loop) or positions broadcast against the words
+    (the GEMM's tile). Dense group g of 4 columns holds stored codes 2g and 2g + 1: a kept
+    column takes the second if a kept column lies below it in its group. Both candidates sit at
+    bits fixed per position, so a column costs two shifts, two mask tests and a select (the
+    general tile loads a mask byte, a word and x per column and counts kept bits by hand)."""
+    group = keep >> (d // 4 * 4)
+    kept = ((group >> (d % 4)) & 1) != 0
+    second = (group & ((1 << (d % 4)) - 1)) != 0
+    code = tl.where(second, word >> ((d // 4 * 2 + 1) * BITS), word >> (d // 4 * 2 * BITS)) & ((1 << BITS) - 1)
+    return code, kept
+
+
+@triton.jit
 def _group_scales(scale_ptr, zero_ptr, rn, u0, N, K, stride_sn, stride_zn, group_size, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                   UNITS: tl.constexpr, CODES: tl.constexpr):
     """Per unit [BLOCK_N, UNITS] the scale and the offset (2^(bits-1) + zero point) of the
@@ -569,22 +602,36 @@ def _exact_codes(codes, FP16: tl.constexpr):
 
 
 @triton.jit
-def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, group_size,
-                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-                      SPLIT_K: tl.constexpr):
+def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_bn, group_size,
+                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr, BLOCK_N: tl.constexpr,
+                      WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Batch 1. Grids: per unit, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
-    * scale. Codebooks (table_ptr): sum_j codebook[code_j] x[k_j]. Program (i, s) covers rows
-    block i over slice s of K."""
+    * scale. Codebooks (table_ptr): sum_j codebook[code_j] x[k_j]. 2:4 grids: per unit,
+    sum over its dense columns of the kept (code - offset) x[k], times the scale. Program
+    (i, s) covers rows block i over slice s of K."""
     SPANS: tl.constexpr = unit_words(BITS)
     CODES: tl.constexpr = unit_codes(BITS)
-    UNITS: tl.constexpr = block_units(BITS, WORDS)
+    UNITS: tl.constexpr = block_units(BITS, WORDS, SPARSE24)
+    if SPARSE24:
+        stored = K // 2
+    else:
+        stored = K
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
-    start, end = _k_slice(tl.program_id(1), tl.cdiv(K, CODES), UNITS, SPLIT_K)
+    start, end = _k_slice(tl.program_id(1), tl.cdiv(stored, CODES), UNITS, SPLIT_K)
     for u0 in range(start, end, UNITS):
-        first, second, third = _unit_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS)
+        first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS)
         rk = (u0 + tl.arange(0, UNITS)) * CODES  # each unit's first column
-        if CODEBOOK:
+        if SPARSE24:
+            keep = _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS, UNITS)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
+            codes_x = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
+            for d in tl.static_range(2 * CODES):
+                x = tl.load(x_ptr + rk * 2 + d, mask=rk * 2 + d < K, other=0.0).to(tl.float32)
+                code, kept = _sparse24_code(first, keep, d, BITS)
+                codes_x += tl.where(kept, _exact_codes(code, False) - offset, 0.0) * x[None, :]
+            acc += codes_x * scale
+        elif CODEBOOK:
             for j in tl.static_range(CODES):
                 x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
                 codes = _unit_code(first, second, third, j, BITS)
@@ -603,38 +650,49 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, N, K, strid
 
 
 @triton.jit
-def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_ym, group_size,
-                      M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, UNITS * CODES] (codes
-    spread to column order) being the tensor cores' first operand, which on Hopper may stay
-    in registers. Measured on an H100 against splitting the tile by bit position (eight small
-    products per tile) and against w as the second operand: this was fastest
-    (benchmarks/results/kernel_speed.md). Program (i, j, s) covers slice s of K."""
+def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_bn,
+                      stride_ym, group_size, M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, UNITS * COLUMNS] (codes
+    spread to column order; 2:4: to the dense columns, zeros included) being the tensor cores'
+    first operand, which on Hopper may stay in registers. Measured on an H100 against splitting
+    the tile by bit position (eight small products per tile) and against w as the second
+    operand: this was fastest (benchmarks/results/kernel_speed.md). Program (i, j, s) covers
+    slice s of K."""
     SPANS: tl.constexpr = unit_words(BITS)
     CODES: tl.constexpr = unit_codes(BITS)
-    UNITS: tl.constexpr = block_units(BITS, WORDS)
+    UNITS: tl.constexpr = block_units(BITS, WORDS, SPARSE24)
+    COLUMNS: tl.constexpr = 2 * CODES if SPARSE24 else CODES  # dense columns a unit covers
+    if SPARSE24:
+        stored = K // 2
+    else:
+        stored = K
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    start, end = _k_slice(tl.program_id(2), tl.cdiv(K, CODES), UNITS, SPLIT_K)
+    start, end = _k_slice(tl.program_id(2), tl.cdiv(stored, CODES), UNITS, SPLIT_K)
     for u0 in range(start, end, UNITS):
-        first, second, third = _unit_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS)
-        codes = _unit_codes(first, second, third, BITS, CODES, SPANS)
+        first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS)
+        if SPARSE24:
+            keep = _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS, UNITS)
+            codes, kept = _sparse24_code(first[:, :, None], keep[:, :, None], tl.arange(0, 2 * CODES)[None, None, :], BITS)
+        else:
+            codes = _unit_codes(first, second, third, BITS, CODES, SPANS)
         if CODEBOOK:  # fp16 as stored; other activations take it as fp32, cast for the product as the general tile's are
             w = tl.load(table_ptr + rn[:, None, None] * stride_tn + codes, mask=rn[:, None, None] < N, other=0.0)
             if x_ptr.dtype.element_ty != tl.float16:
                 w = w.to(tl.float32)
-            w = tl.reshape(w, (BLOCK_N, UNITS * CODES))
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, K, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
             if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly: (q - offset) is exact there, and
                 # the fp16 product rounds once, as the fp32 product cast to fp16 did, so the tile is the same
                 w = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
             else:
                 w = (_exact_codes(codes, False) - offset[:, :, None]) * scale[:, :, None]
-            w = tl.reshape(w, (BLOCK_N, UNITS * CODES))
-        rk = u0 * CODES + tl.arange(0, UNITS * CODES)
+            if SPARSE24:
+                w = tl.where(kept, w, 0.0)
+        w = tl.reshape(w, (BLOCK_N, UNITS * COLUMNS))
+        rk = u0 * COLUMNS + tl.arange(0, UNITS * COLUMNS)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
         acc = _accumulate_dot(acc, w, tl.trans(x))
     _write(y_ptr + rm[:, None] * stride_ym + rn[None, :], tl.trans(acc), (rm[:, None] < M) & (rn[None, :] < N), SPLIT_K)
@@ -658,14 +716,15 @@ GEMM_CONFIGS = [
         (16, 64, 16, 2, 4, 4), (16, 64, 32, 4, 4, 3), (16, 128, 32, 4, 8, 3), (32, 64, 16, 4, 4, 4), (64, 64, 16, 2, 4, 4), (64, 128, 32, 2, 8, 3),
     ]
 ]
-_GEMV = _tuned(_grid_gemv_kernel, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK"])
-_GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK"])
+_GEMV = _tuned(_grid_gemv_kernel, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24"])
+_GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24"])
 
 
 def _takes_fast_grid(weight: PackedWeight) -> bool:
     """Whole codes per unit (a word; for 3 bits three words); on a grid, each unit within one
-    group; codebooks of 2 to 4 bits (a row's 256 8-bit values would not stay in L1)."""
-    if weight.bitmask is not None or weight.bits not in (2, 3, 4, 8):
+    group; codebooks of 2 to 4 bits (a row's 256 8-bit values would not stay in L1); 2:4
+    weights on grids of 2, 4 or 8 bits."""
+    if weight.bits not in (2, 3, 4, 8) or (weight.bitmask is not None and (weight.codebook is not None or weight.bits == 3)):
         return False
     if weight.codebook is not None:
         return weight.bits <= 4
@@ -676,10 +735,7 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     """The fast grid kernels: GEMV for one row of x, GEMM for more; autotuned, or with the given
     launch shape (one of GEMV_CONFIGS / GEMM_CONFIGS: how tests run each shape the tuner may pick)."""
     M, K = x.shape
-    table = weight.codebook if weight.codebook is not None else weight.scale
-    zero = weight.zero if weight.zero is not None else table  # an unused pointer still needs a tensor
-    strides = (weight.packed.stride(0), table.stride(0), zero.stride(0))
-    common = dict(group_size=weight.group_size or 1, BITS=weight.bits, HAS_ZERO=weight.zero is not None, CODEBOOK=weight.codebook is not None)
+    tensors, strides, flags = weight._kernel_args()
     if config is None:
         kernel, settings = _GEMV if M == 1 else _GEMM
     else:
@@ -688,11 +744,11 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
             config.pre_hook({"y_ptr": y})
     if M == 1:
         grid = lambda meta: (triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-        kernel[grid](x, weight.packed, table, zero, y, weight.rows, K, *strides, **common, **settings)
+        kernel[grid](x, *tensors, y, weight.rows, K, *strides, **flags, **settings)
     else:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-        kernel[grid](x, weight.packed, table, zero, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
-                     M_BUCKET=min(triton.next_power_of_2(M), 128), **common, **settings)
+        kernel[grid](x, *tensors, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
+                     M_BUCKET=min(triton.next_power_of_2(M), 128), **flags, **settings)
     return y
 
 
