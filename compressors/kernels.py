@@ -53,19 +53,22 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 def _self_check_weights(device: torch.device) -> list[PackedWeight]:
-    """Small weights of each decoding path: 4-bit symmetric, 3-bit asymmetric in groups of 40
-    (the general kernels: codes straddle words and groups), a 3-bit codebook (the whole-unit
-    kernels: 32 codes in 3 words), and 2:4 sparse with fp16 or 4-bit values."""
+    """Small weights of each decoding path: 4-bit symmetric (the whole-word kernels), 3-bit
+    asymmetric in groups of 40 (the general kernels: codes straddle words and groups), 3-bit
+    in groups of 32 and a 3-bit codebook (the whole-unit kernels: 32 codes in 3 words), and
+    2:4 sparse with fp16 values (general) or 4-bit values (whole-word)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from compressors.packed_int import pack_sparse24
 
     generator = torch.Generator().manual_seed(0)
-    codes = lambda bits: pack_to_int32(torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (48, 80), generator=generator, dtype=torch.int8), bits)  # noqa: E731
-    scale = lambda: (torch.rand(48, 2, generator=generator) / 50).half()  # noqa: E731
+    codes = lambda bits, columns=80: pack_to_int32(  # noqa: E731
+        torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (48, columns), generator=generator, dtype=torch.int8), bits)
+    scale = lambda groups=2: (torch.rand(48, groups, generator=generator) / 50).half()  # noqa: E731
     weights = [
         PackedWeight(codes(4), scale(), 4, 80),
         PackedWeight(codes(3), scale(), 3, 80, torch.randint(-2, 2, (48, 2), generator=generator, dtype=torch.int8)),
+        PackedWeight(codes(3, 96), scale(3), 3, 96),
         PackedWeight(codes(3), None, 3, 80, codebook=torch.randn(48, 8, generator=generator).half() / 50),
     ]
     keep = torch.rand(48, 20, 4, generator=generator).argsort(dim=2) < 2  # 2 of every 4, at random
@@ -83,7 +86,7 @@ def self_check(kernel: Kernel, device: torch.device) -> bool:
         ok = True
         for weight in _self_check_weights(device):
             for rows in (1, 5):
-                x = torch.randn(rows, 80, generator=generator).to(device, dtype)
+                x = torch.randn(rows, weight.columns, generator=generator).to(device, dtype)
                 expected = kernel.reference(x, weight).float()
                 ok &= bool(torch.allclose(kernel.run(x, weight).float(), expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item()))
         _self_checked[key] = ok

@@ -402,17 +402,17 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 # --------------------------------------------------------------------------- fast grid path
 #
 # The common serving case, a uniform grid of 2, 3, 4 or 8 bits or a codebook of 2 to 4 bits, and
-# 2:4 weights on a grid of 2, 4 or 8 bits, gets kernels of its own. They work on units of whole codes: a 32-bit word, or for 3
-# bits three words holding 32 codes (codes 10 and 21 straddle two words), in tiles
-# [BLOCK_N, UNITS]. Code j of every unit sits at the same bits, known at compile time, so the
-# kernels take code j of all units at once: that slice is the columns j, j + CODES,
-# j + 2 CODES, ... so it meets the matching strided slice of x, and a sum over k may run in
-# that order. The words are loaded once each and never rearranged in registers (the general
-# tile above loads a word per code). A unit's codes share one group as long as the group size
-# is a multiple of the codes per unit (32 for 3 bits; for 4 bits 8, so 16 and up), per-channel
-# included. A 2:4 word's codes are spread over the twice as many dense columns they stand
-# for (`_sparse24_code`), zeros included, so the tile meets x's dense columns in order.
-# A codebook's codes are looked up in their rows'
+# 2:4 weights on a grid of 2, 4 or 8 bits, gets kernels of its own. They work on units of whole
+# codes: a 32-bit word, or for 3 bits three words holding 32 codes (codes 10 and 21 straddle
+# two words), in tiles [BLOCK_N, UNITS]. Code j of every unit sits at the same bits, so the
+# GEMV takes code j of all units at once, with shifts fixed at compile time: that slice is
+# the columns j, j + CODES, j + 2 CODES, ... so it meets the matching strided slice of x, and
+# a sum over k may run in that order. The GEMM spreads a unit's codes to column order. The
+# words are loaded once each (the general tile above loads a word per code). A unit's codes
+# share one group as long as the group size, in stored columns, is a multiple of the codes
+# per unit (32 for 3 bits, 8 for 4 bits), per-channel included. A 2:4 word's codes are spread
+# over the twice as many dense columns they stand for (`_sparse24_code`), zeros included, so
+# the tile meets x's dense columns in order. A codebook's codes are looked up in their rows'
 # tables with one load per code: 2^bits values a row stay in L1. (tl.gather from tables held
 # in registers compiles to about 8 warp shuffles per code on sm_90, per
 # benchmarks/kernel_sass.py.) On a GPU Triton's autotuner picks the launch shape per layer
@@ -465,6 +465,7 @@ def _write(pointers, values, mask, SPLIT_K: tl.constexpr):
 @triton.constexpr_function
 def unit_words(bits: int) -> int:
     """Words a unit of whole codes spans: one, or three for 3 bits (32 codes in 96 bits)."""
+    assert bits in (2, 3, 4, 8), f"the grid kernels take 2, 3, 4 or 8-bit codes, not {bits}"
     return bits if 32 % bits else 1
 
 
@@ -479,24 +480,26 @@ def block_units(bits: int, words: int, sparse24: bool = False) -> int:
     """Units a block takes: WORDS words, or for 3 bits the columns of WORDS 4-bit words; 2:4
     weights half as many (each stored code stands for two dense columns)."""
     units = words // 4 if unit_words(bits) == 3 else words
-    return units // 2 if sparse24 else units
+    units = units // 2 if sparse24 else units
+    assert units >= 1, f"a launch shape of {words} words leaves no whole unit of {bits}-bit codes"
+    return units
 
 
 @triton.jit
-def _grid_words(packed_ptr, rn, u0, N, K, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr, i: tl.constexpr):
+def _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr, i: tl.constexpr):
     """Word i of each unit [BLOCK_N, UNITS] of rows rn from unit u0 on, zero outside the matrix."""
     rw = (u0 + tl.arange(0, UNITS)) * SPANS + i
-    inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(K * BITS, 32))
+    inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(stored * BITS, 32))
     return tl.load(packed_ptr + rn[:, None] * stride_pn + rw[None, :], mask=inside, other=0)
 
 
 @triton.jit
-def _unit_words(packed_ptr, rn, u0, N, K, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr):
+def _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr):
     """A unit's words (the same tensor thrice when a unit is one word), loaded once each."""
-    first = _grid_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS, 0)
+    first = _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, 0)
     if SPANS == 3:
-        second = _grid_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS, 1)
-        third = _grid_words(packed_ptr, rn, u0, N, K, stride_pn, BITS, UNITS, SPANS, 2)
+        second = _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, 1)
+        third = _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, 2)
     else:
         second = first
         third = first
@@ -531,7 +534,7 @@ def _unit_codes(first, second, third, BITS: tl.constexpr, CODES: tl.constexpr, S
     bit = tl.arange(0, CODES) * BITS
     if SPANS == 1:
         codes = (first[:, :, None] >> bit[None, None, :]) & ((1 << BITS) - 1)
-    else:  # each position's word and shift are fixed; a straddling code takes its high bits from the next word
+    else:  # each position's word and shift follow from its index; a straddling code takes its high bits from the next word
         bit = bit[None, None, :]
         low = tl.where(bit < 32, first[:, :, None], tl.where(bit < 64, second[:, :, None], third[:, :, None]))
         high = tl.where(bit < 32, second[:, :, None], third[:, :, None])
@@ -562,8 +565,9 @@ def _sparse24_code(word, keep, d, BITS: tl.constexpr):
     weight is zero). d is a constant (the GEMV's loop) or positions broadcast against the words
     (the GEMM's tile). Dense group g of 4 columns holds stored codes 2g and 2g + 1: a kept
     column takes the second if a kept column lies below it in its group. Both candidates sit at
-    bits fixed per position, so a column costs two shifts, two mask tests and a select (the
-    general tile loads a mask byte, a word and x per column and counts kept bits by hand)."""
+    bits that follow from d alone: with a constant d a column costs two fixed shifts, two mask
+    tests and a select (the general tile loads a mask byte, a word and x per column and
+    counts kept bits by hand)."""
     group = keep >> (d // 4 * 4)
     kept = ((group >> (d % 4)) & 1) != 0
     second = (group & ((1 << (d % 4)) - 1)) != 0
@@ -572,12 +576,12 @@ def _sparse24_code(word, keep, d, BITS: tl.constexpr):
 
 
 @triton.jit
-def _group_scales(scale_ptr, zero_ptr, rn, u0, N, K, stride_sn, stride_zn, group_size, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+def _group_scales(scale_ptr, zero_ptr, rn, u0, N, stored, stride_sn, stride_zn, group_size, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                   UNITS: tl.constexpr, CODES: tl.constexpr):
     """Per unit [BLOCK_N, UNITS] the scale and the offset (2^(bits-1) + zero point) of the
     group it lies in: value = (code - offset) * scale."""
     first_column = (u0 + tl.arange(0, UNITS)) * CODES
-    inside = (rn[:, None] < N) & (first_column[None, :] < K)
+    inside = (rn[:, None] < N) & (first_column[None, :] < stored)
     group = first_column[None, :] // group_size
     scale = tl.load(scale_ptr + rn[:, None] * stride_sn + group, mask=inside, other=0.0).to(tl.float32)
     offset = tl.zeros_like(scale) + (1 << (BITS - 1))
@@ -612,10 +616,8 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     SPANS: tl.constexpr = unit_words(BITS)
     CODES: tl.constexpr = unit_codes(BITS)
     UNITS: tl.constexpr = block_units(BITS, WORDS, SPARSE24)
-    if SPARSE24:
-        stored = K // 2
-    else:
-        stored = K
+    SHARE: tl.constexpr = 2 if SPARSE24 else 1  # dense columns per stored one
+    stored = K // SHARE
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
     start, end = _k_slice(tl.program_id(1), tl.cdiv(stored, CODES), UNITS, SPLIT_K)
@@ -638,7 +640,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                 value = tl.load(table_ptr + rn[:, None] * stride_tn + codes, mask=rn[:, None] < N, other=0.0)
                 acc += value.to(tl.float32) * x[None, :]
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, K, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
             codes_x = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
             x_sum = tl.zeros((UNITS,), dtype=tl.float32)
             for j in tl.static_range(CODES):
@@ -663,10 +665,8 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     CODES: tl.constexpr = unit_codes(BITS)
     UNITS: tl.constexpr = block_units(BITS, WORDS, SPARSE24)
     COLUMNS: tl.constexpr = 2 * CODES if SPARSE24 else CODES  # dense columns a unit covers
-    if SPARSE24:
-        stored = K // 2
-    else:
-        stored = K
+    SHARE: tl.constexpr = 2 if SPARSE24 else 1  # dense columns per stored one
+    stored = K // SHARE
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -722,8 +722,8 @@ _GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS
 
 def _takes_fast_grid(weight: PackedWeight) -> bool:
     """Whole codes per unit (a word; for 3 bits three words); on a grid, each unit within one
-    group; codebooks of 2 to 4 bits (a row's 256 8-bit values would not stay in L1); 2:4
-    weights on grids of 2, 4 or 8 bits."""
+    group; codebooks of 2 to 4 bits (an 8-bit codebook's 256 fp16 entries a row would not
+    stay in L1); 2:4 weights on grids of 2, 4 or 8 bits."""
     if weight.bits not in (2, 3, 4, 8) or (weight.bitmask is not None and (weight.codebook is not None or weight.bits == 3)):
         return False
     if weight.codebook is not None:
