@@ -549,7 +549,7 @@ def _unit_codes(first, second, third, BITS: tl.constexpr, CODES: tl.constexpr, S
 def _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS: tl.constexpr, UNITS: tl.constexpr):
     """2:4: the keep bits of the 2 * CODES dense columns each word [BLOCK_N, UNITS] stands
     for (bit d: column d kept), from their mask bytes."""
-    DENSE: tl.constexpr = 2 * (32 // BITS)
+    DENSE: tl.constexpr = 2 * unit_codes(BITS)
     rw = u0 + tl.arange(0, UNITS)
     keep = tl.zeros((rn.shape[0], UNITS), dtype=tl.int32)
     for b in tl.static_range(DENSE // 8):
@@ -624,16 +624,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     for u0 in range(start, end, UNITS):
         first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS)
         rk = (u0 + tl.arange(0, UNITS)) * CODES  # each unit's first column
-        if SPARSE24:
-            keep = _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS, UNITS)
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
-            codes_x = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
-            for d in tl.static_range(2 * CODES):
-                x = tl.load(x_ptr + rk * 2 + d, mask=rk * 2 + d < K, other=0.0).to(tl.float32)
-                code, kept = _sparse24_code(first, keep, d, BITS)
-                codes_x += tl.where(kept, _exact_codes(code, False) - offset, 0.0) * x[None, :]
-            acc += codes_x * scale
-        elif CODEBOOK:
+        if CODEBOOK:
             for j in tl.static_range(CODES):
                 x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
                 codes = _unit_code(first, second, third, j, BITS)
@@ -642,12 +633,20 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
         else:
             scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
             codes_x = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
-            x_sum = tl.zeros((UNITS,), dtype=tl.float32)
-            for j in tl.static_range(CODES):
-                x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
-                codes_x += _exact_codes(_unit_code(first, second, third, j, BITS), False) * x[None, :]
-                x_sum += x
-            acc += (codes_x - offset * x_sum[None, :]) * scale
+            if SPARSE24:  # the offset per kept column, since which columns count differs by row
+                keep = _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS, UNITS)
+                for d in tl.static_range(2 * CODES):
+                    x = tl.load(x_ptr + rk * 2 + d, mask=rk * 2 + d < K, other=0.0).to(tl.float32)
+                    code, kept = _sparse24_code(first, keep, d, BITS)
+                    codes_x += tl.where(kept, _exact_codes(code, False) - offset, 0.0) * x[None, :]
+            else:
+                x_sum = tl.zeros((UNITS,), dtype=tl.float32)
+                for j in tl.static_range(CODES):
+                    x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
+                    codes_x += _exact_codes(_unit_code(first, second, third, j, BITS), False) * x[None, :]
+                    x_sum += x
+                codes_x -= offset * x_sum[None, :]
+            acc += codes_x * scale
     _write(y_ptr + rn, tl.sum(acc, axis=1), rn < N, SPLIT_K)
 
 

@@ -22,6 +22,13 @@ def packed(bits, rows, columns, group, kind="symmetric", seed=0):
     return random_packed(bits, rows, columns, group, kind, seed).to(DEVICE)
 
 
+def assert_matches_reference(got, x, weight, context=None):
+    """A kernel's output against the torch reference, within the rounding of x's dtype."""
+    expected = matmul_reference(x, weight).float()
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[x.dtype]
+    assert (got.float() - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item()), context
+
+
 SHAPES = [  # bits, N, K, group, decode: K off the 64-column block, per-channel, one output row, 3-bit codes straddling words
     (4, 96, 160, 32, "symmetric"), (4, 1, 128, 64, "symmetric"), (8, 40, 100, 100, "symmetric"), (2, 64, 96, 32, "symmetric"),
     (4, 130, 64, 64, "symmetric"), (4, 24, 36, 36, "asymmetric"), (3, 72, 100, 50, "symmetric"), (3, 33, 96, 32, "asymmetric"), (8, 20, 64, 32, "asymmetric"),
@@ -41,9 +48,7 @@ def test_fused_matmul_matches_reference(bits, rows, columns, group, kind, batch,
         pytest.skip("Triton's interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584); compiled on a GPU only")
     weight = packed(bits, rows, columns, group, kind)
     x = torch.randn(batch, columns, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
-    got, expected = matmul_triton(x, weight).float(), matmul_reference(x, weight).float()
-    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # the output's rounding
-    assert (got - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item())
+    assert_matches_reference(matmul_triton(x, weight), x, weight)
 
 
 @pytest.mark.parametrize("bits,rows,columns,group,kind", SHAPES)
@@ -189,9 +194,7 @@ def test_every_tuned_launch_shape_matches_reference(batch, configs, dtype):
         for weight in weights:
             x = torch.randn(batch, weight.columns, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
             y = torch.full((batch, weight.rows), float("nan"), dtype=dtype, device=DEVICE)  # split-K must zero it first
-            got, expected = packed_int._grid_matmul(x, weight, y, config).float(), matmul_reference(x, weight).float()
-            tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-            assert (got - expected).abs().max() <= tolerance * max(1.0, expected.abs().max().item()), (config, weight.kind, weight.bits)
+            assert_matches_reference(packed_int._grid_matmul(x, weight, y, config), x, weight, (config, weight.kind, weight.bits))
 
 
 def test_split_k_is_not_tried_for_bf16_outputs():
