@@ -39,8 +39,10 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
     parser.add_argument(
         "--runs", default=DEFAULT_RUNS,
-        help="method[:bits:group_size[:stored][:noclip]], comma-separated; ':stored' uses the stored statistics (no forward "
-        "passes), ':noclip' turns GPTQ's clip search off (min-max groups, as the results before it were measured)",
+        help="method[:bits:group_size[:stored][:noclip][:bf16][:trueseq]], comma-separated; ':stored' uses the stored statistics "
+        "(no forward passes), ':noclip' turns GPTQ's clip search off (min-max groups, as the results before it were measured), "
+        "':bf16' runs the sequential passes in bfloat16 (the pipeline's setting), ':trueseq' quantizes each layer group by group "
+        "(--true-sequential)",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantize_quality")
     args = parser.parse_args()
@@ -50,7 +52,8 @@ def main() -> None:
     work = scratch_directory()
     for spec in args.runs.split(","):
         method, *rest = spec.split(":")
-        config = QuantizeConfig(method=method, sequential="stored" not in rest, clip_search=False if "noclip" in rest else None)
+        config = QuantizeConfig(method=method, sequential="stored" not in rest, clip_search=False if "noclip" in rest else None,
+                                forward_dtype="bfloat16" if "bf16" in rest else "float32", true_sequential="trueseq" in rest)
         if len(rest) >= 2:
             config.bits, config.group_size = int(rest[0]), int(rest[1])
         start = time.perf_counter()

@@ -155,7 +155,8 @@ class LayerStatisticsCollector:
             out[f"{name}.mean"] = (m.sum / m.count).float().contiguous()
             out[f"{name}.abs_mean"] = (m.abs_sum / m.count).float().contiguous()
         for kind, s in self.similarity.items():
-            out[f"kv.{kind}_cosine"] = (s.total / s.count).float().contiguous()
+            if s.count:  # a collector on a subset of the linears may see no k/v outputs
+                out[f"kv.{kind}_cosine"] = (s.total / s.count).float().contiguous()
         return out
 
     @property

@@ -118,6 +118,10 @@ def quantize(
         Switch.true,
         help="Calibrated methods: re-collect each layer's statistics on the already-quantized model (slower, better) instead of using the stored ones.",
     ),
+    true_sequential: Switch = typer.Option(
+        Switch.false, "--true-sequential",
+        help="Sequential gptq / squeezellm: quantize a layer's linears group by group (q/k/v, o, gate/up, down), each from inputs that went through the groups before it, quantized (AutoGPTQ's and GPTQModel's default; more passes per layer).",
+    ),
     forward_dtype: str = typer.Option(
         "float32", "--forward-dtype",
         help="Sequential mode: dtype the layers run in while statistics are collected, float32 or bfloat16 (about 3x faster on CPUs with AVX512-BF16; weights stay as loaded).",
@@ -131,8 +135,8 @@ def quantize(
 
     config = QuantizeConfig(
         method=method, bits=bits, group_size=group_size, symmetric=bool(symmetric), act_order=bool(act_order), damp=damp,
-        clip_search=optional_switch(clip_search), sequential=bool(sequential), forward_dtype=forward_dtype, skip=skip, overrides=overrides,
-        batch_size=batch_size,
+        clip_search=optional_switch(clip_search), sequential=bool(sequential), true_sequential=bool(true_sequential), forward_dtype=forward_dtype,
+        skip=skip, overrides=overrides, batch_size=batch_size,
     )
     path = run(model, calibration, out, config)
     out_console.print(f"quantized model written to {path}", markup=False, highlight=False)

@@ -46,6 +46,12 @@ class Architecture:
     def linears(self) -> tuple[str, ...]:
         return self.attention + self.mlp
 
+    @property
+    def input_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The linears in the order the layer calls them, grouped by the tensor they read:
+        q/k/v, o, gate/up, down (the subsets of GPTQ's true-sequential mode)."""
+        return self.attention[:-1], self.attention[-1:], self.mlp[:-1], self.mlp[-1:]
+
 
 _GEMMA = Architecture(mlp_norm="pre_feedforward_layernorm", norm_offset=1.0)
 

@@ -219,15 +219,20 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
 # --------------------------------------------------------------------------- layer walk
 
 
-def walk_layers(loaded, calib, config, process, advance, finished=None) -> None:
+def walk_layers(loaded, calib, config, process, advance, finished=None, true_sequential=False) -> None:
     """Call `process(index, layer, statistics)` for every decoder layer, in order. With
     `config.sequential` the statistics are collected by the layer runner on the model as
     compressed so far (each layer sees the already-compressed layers' outputs, the way GPTQ,
     SparseGPT and Wanda run); otherwise they are the calibration artifact's stored ones, of
     the uncompressed model (no forward passes). Without `calib` no statistics are needed.
-    `finished(index, layer)` is called once the walk is done with a layer (its outputs, if
-    any, have gone on to the next one), then `advance()`."""
+    `true_sequential` (sequential only) calls `process` once per group of linears that read
+    one tensor (q/k/v, o, gate/up, down), each group's statistics collected after the groups
+    before it are compressed, so o_proj sees the compressed q/k/v's outputs and so on (GPTQ's
+    true-sequential mode, AutoGPTQ's and GPTQModel's default); `statistics` then holds that
+    group's linears only. `finished(index, layer)` is called once the walk is done with a
+    layer (its outputs, if any, have gone on to the next one), then `advance()`."""
     layers = decoder_layers(loaded.model)
+    arch = architecture_of(loaded.config)
 
     def done(index: int) -> None:
         if finished is not None:
@@ -238,14 +243,15 @@ def walk_layers(loaded, calib, config, process, advance, finished=None) -> None:
         runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=done, dtype=FORWARD_DTYPES[config.forward_dtype])
         embedding = next(name for name, p in loaded.model.named_parameters() if p is loaded.model.get_input_embeddings().weight)
         map_weights(loaded, [embedding])  # the runner is done with it: a fresh map drops the pages its first pass read
-        last = architecture_of(loaded.config).mlp[-1]  # the last linear a decoder layer calls
+        groups = arch.input_groups if true_sequential else (arch.linears,)
         for index, layer in runner:
-            with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
-                runner.forward(layer, propagate=False, until=layer.get_submodule(last))
-            statistics = collector.statistics()
-            del collector  # its fp64 sums and buffers, before the compressor's own working memory
-            process(index, layer, statistics)
-            del statistics  # not held through the layer's outputs pass, where it would pin the heap's top
+            for group in groups:  # each pass stops at its group's last linear, once the moments are taken
+                with LayerStatisticsCollector({name: layer.get_submodule(name) for name in group}, loaded.config) as collector:
+                    runner.forward(layer, propagate=False, until=layer.get_submodule(group[-1]))
+                statistics = collector.statistics()
+                del collector  # its fp64 sums and buffers, before the compressor's own working memory
+                process(index, layer, statistics)
+                del statistics  # not held through the layer's outputs pass, where it would pin the heap's top
         return
     base_index = base_layer_indices(read_lineage(loaded.folder))
     for index, layer in enumerate(layers):
@@ -309,6 +315,7 @@ def calibration_record(calib) -> dict:
 CODEBOOK_METHODS = ("squeezellm", "squeezellm-gptq")
 QUANTIZE_METHODS = ("rtn", "gptq", "awq", *CODEBOOK_METHODS, "nf4", "int8")
 CALIBRATED_METHODS = ("gptq", "awq", *CODEBOOK_METHODS)
+PER_LINEAR_METHODS = ("gptq", *CODEBOOK_METHODS)  # each linear from its own input statistics (AWQ scales a layer's linears together)
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
 
@@ -331,6 +338,7 @@ class QuantizeConfig:
     damp: float = 0.01
     clip_search: bool | None = None  # gptq with static groups (act_order): fit each group's grid with AWQ's output-error clip search; None: on where it applies
     sequential: bool = True
+    true_sequential: bool = False  # sequential gptq / squeezellm: each group of linears sees the groups before it compressed
     forward_dtype: str = "float32"  # float32 | bfloat16: the layers' dtype in the sequential passes
     skip: str = ""  # comma-separated regexes of linear names left dense
     overrides: str = ""  # YAML file: {regex of linear names: {bits, group_size, symmetric}}
@@ -346,6 +354,11 @@ class QuantizeConfig:
             check_bits(self.bits)
         require_positive(batch_size=self.batch_size)
         require(self.forward_dtype in FORWARD_DTYPES, f"forward dtype must be float32 or bfloat16 (got '{self.forward_dtype}')")
+        require(
+            not self.true_sequential or (self.sequential and self.method in PER_LINEAR_METHODS),
+            f"--true-sequential takes --sequential true and a method that quantizes each linear from its own inputs "
+            f"({', '.join(PER_LINEAR_METHODS)}); pass --true-sequential false",
+        )
         self.default_grid()
 
     def default_grid(self):
@@ -458,8 +471,9 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             write_lineage(tmp, chain, {"stage": "quantize", "params": asdict(config)}, run)
         return Path(out)
 
-    def quantize_layer(index, layer, stats):
-        layer_plan = {local: plan[f"{prefix}.{index}.{local}"] for local in arch.linears if f"{prefix}.{index}.{local}" in plan}
+    def quantize_layer(index, layer, stats):  # stats: of the linears to quantize now (true-sequential: one group's)
+        todo = [local for local in arch.linears if not stats or local in stats]
+        layer_plan = {local: plan[f"{prefix}.{index}.{local}"] for local in todo if f"{prefix}.{index}.{local}" in plan}
         if config.method == "rtn":
             results = {local: round_to_nearest(layer.get_submodule(local).weight.data, grid) for local, grid in layer_plan.items()}
         elif config.method == "gptq":
@@ -490,7 +504,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             # a 2:4 parent stays 2:4: rtn, awq and masked gptq keep zeros at zero, so only the kept half is stored
             finished[name] = packed_weight(PrunedLinear(module.weight.data.float(), sparse[name], q) if name in sparse else q)
         if finished:
-            spill_to_disk(finished, spilled / f"{index}.safetensors")
+            spill_to_disk(finished, spilled / f"{next(iter(finished))}.safetensors")
             packed.update(dict.fromkeys(finished))  # read back once every layer is done
 
     def release_layer(index, layer):  # its quantized linears are packed now; their weights go
@@ -505,7 +519,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
         spilled = tmp / ".layers"  # each finished layer's packed weights until the artifact is written
         spilled.mkdir()
-        walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance, release_layer)
+        walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance, release_layer, config.true_sequential)
         for file in spilled.iterdir():
             packed.update(read_spilled(file))
         if sparse or config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):

@@ -136,6 +136,7 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert "forward dtype must be float32 or bfloat16 (got 'float16')" in error("--forward-dtype", "float16")
     assert "--clip-search fits GPTQ's static groups" in error("--method", "rtn", "--clip-search", "true")
     assert "needs --calibration" in error("--method", "gptq")
+    assert "--true-sequential takes --sequential true and a method that quantizes each linear" in error("--method", "awq", "--true-sequential", "true")
     assert "nf4 on the CPU needs input widths that are multiples of 64" in error("--method", "nf4")  # down_proj is 96 wide
 
 
@@ -273,3 +274,60 @@ def test_mapped_weights_keep_their_values_and_give_their_memory_back(tmp_path, r
     release_weights(linears)
     assert read - before > 40 and _resident_file_mb() < after_compare - 40
     assert all(m.weight.device.type == "meta" and m.weight.shape == (m.out_features, m.in_features) for m in linears)
+
+
+def _walk(folder, true_sequential: bool, halve: bool) -> list[tuple[int, dict]]:
+    """walk_layers over the tiny model with a stand-in compressor that halves the weights of the
+    linears it is handed (a change to what later linears read); returns (layer, {linear: E[x x^T]})
+    per call of the compressor."""
+    from types import SimpleNamespace
+
+    from pipelines.models import load_model
+    from pipelines.stages import walk_layers
+
+    loaded = load_model(str(folder))
+    calib = SimpleNamespace(input_ids=torch.randint(0, 320, (4, 24), generator=torch.Generator().manual_seed(0)))
+    config = SimpleNamespace(sequential=True, batch_size=2, forward_dtype="float32")
+    calls = []
+
+    def process(index, layer, statistics):
+        calls.append((index, {name: s.second_moment for name, s in statistics.items()}))
+        for name in statistics if halve else ():
+            layer.get_submodule(name).weight.data.mul_(0.5)
+
+    walk_layers(loaded, calib, config, process, lambda: None, true_sequential=true_sequential)
+    return calls
+
+
+def test_true_sequential_collects_each_group_on_the_groups_before_it_compressed(tiny_folder):
+    """GPTQ's true-sequential mode: per layer the compressor is handed q/k/v, then o, then
+    gate/up, then down, each group's statistics taken after the groups before it were changed.
+    With nothing changed they are the one-pass statistics, bit for bit; with a change, every
+    group but a layer's first (which reads the layer's input) sees different inputs."""
+    groups = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)]
+    one_pass, grouped = _walk(tiny_folder, False, False), _walk(tiny_folder, True, False)
+    assert [index for index, _ in one_pass] == [0, 1, 2, 3] and [tuple(stats) for _, stats in grouped] == groups * 4
+    for index, stats in grouped:
+        for name, moment in stats.items():
+            assert torch.equal(moment, one_pass[index][1][name]), (index, name)
+    one_pass, grouped = _walk(tiny_folder, False, True), _walk(tiny_folder, True, True)
+    for index, stats in grouped:
+        for name, moment in stats.items():
+            first = name in groups[0]  # reads the layer's input, which the whole layer before changed in both modes
+            assert torch.equal(moment, one_pass[index][1][name]) == first, (index, name)
+
+
+def test_true_sequential_quantizes_every_linear(tmp_path, real_model_folder):
+    """Through the stage: every linear is packed once (a layer's groups spill separately) and
+    the result differs from the one-pass quantization only by the inputs each group saw."""
+    from conftest import save_tiny, tiny_config
+    from pipelines.serving import packed_weights
+    from pipelines.stages import QuantizeConfig, quantize
+
+    folder = save_tiny(tmp_path / "tiny", tiny_config("llama"), real_model_folder, tmp_path / "calib")
+    one_pass = packed_weights(quantize(str(folder), tmp_path / "calib", tmp_path / "q", QuantizeConfig(group_size=32)))
+    grouped = packed_weights(quantize(str(folder), tmp_path / "calib", tmp_path / "qt", QuantizeConfig(group_size=32, true_sequential=True)))
+    assert grouped.keys() == one_pass.keys() and len(grouped) == 4 * 7
+    same = {name for name in grouped if torch.equal(grouped[name].packed, one_pass[name].packed)}
+    assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"} <= same
+    assert "model.layers.0.self_attn.o_proj" not in same and len(same) < len(grouped)
