@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything lmpress checks on a CUDA GPU, in one go (a lent GPU machine is paid by the minute):
-#   tests     the kernel tests, compiled for the GPU instead of interpreted;
+#   tests     the kernel tests, compiled for the GPU instead of interpreted (the 4-bit GEMV's PTX
+#             decode runs only there);
 #   validate  `lmpress validate` on each artifact (or artifact slice, benchmarks/artifact_slice.py)
 #             found under $SLICES (default .gpu/);
 #   speed     benchmarks/kernel_speed.py at realistic layer shapes ($SPEED_ARGS are passed on);
@@ -33,7 +34,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 status=0
 if [[ " $STEPS " == *" tests "* ]]; then
-    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "fused or dequantize or self_check or packed_linear or references or fast_grid or every_tuned or split_k" \
+    # no autotuning (LMPRESS_AUTOTUNE=0): the tests run every launch shape by hand; compiling them
+    # is the cost, so it is spread over the machine's cores
+    LMPRESS_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" tests/test_kernels.py -k "fused or dequantize or self_check or packed_linear or references or fast_grid or every_tuned or split_k" \
         >>"$LOG" 2>&1 || status=1
     grep -E "passed|failed" "$LOG" | tail -1
 fi

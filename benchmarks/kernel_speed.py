@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="int4,int8,int3,int4-asym,codebook4,codebook3,sparse24-fp16,sparse24-int4", help="packed weights to time")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works in the Triton interpreter)")
     parser.add_argument("--baseline", type=Path, help="another version of compressors/packed_int.py to time side by side")
+    parser.add_argument("--baseline-kinds", help="time the baseline on these kinds only (default: every kind)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_speed")
     args = parser.parse_args()
 
@@ -123,6 +124,8 @@ def main() -> None:
                 row["fp16_bandwidth_fraction"] = round(2 * n * k / fp16 / bandwidth, 3)
             for kind, weight in weights.items():
                 for prefix, matmul in versions.items():
+                    if prefix and args.baseline_kinds and kind not in args.baseline_kinds.split(","):
+                        continue
                     error = (matmul(x, weight).float() - matmul_reference(x, weight).float()).abs().max().item()
                     seconds = weight_seconds(lambda w: matmul(x, w), weight)
                     row[f"{prefix}{kind}_us"], row[f"{prefix}{kind}_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)

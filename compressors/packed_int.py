@@ -421,8 +421,9 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 
 def _tuned(kernel, configs: list, key: list[str]):
     """(kernel to launch, launch settings to pass): autotuned on a GPU; under the interpreter,
-    where timing means nothing, the first configuration (tests run the others by hand)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    where timing means nothing, or with LMPRESS_AUTOTUNE=0 (GPU tests, which need no timing and
+    run every configuration by hand), the first configuration."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("LMPRESS_AUTOTUNE") == "0":
         return kernel, dict(configs[0].kwargs)
     return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": _split_k_fits})(kernel), {}
 
@@ -605,14 +606,92 @@ def _exact_codes(codes, FP16: tl.constexpr):
     return value
 
 
+# The 4-bit GEMV's decode on a GPU, in PTX: Triton has no packed half2 arithmetic, and decoding
+# one code per fp32 operation (`_exact_codes`) costs a shift, a mask, an OR and a subtraction a
+# code. Here lop3 drops two codes at once into the low mantissa bits of a half2 of 1024s
+# (0x6400: the "magic number" decode of FasterTransformer and Marlin), so one sub / fma per
+# half2 gives two codes minus the offset 8, exactly; the halves widen to fp32 and multiply x in
+# fp32, so the sum is the fp32 path's. Pairs are (code c, code c + 4): h0 = codes 0 and 4
+# (bits 0-3, 16-19), h1 = 1 and 5 (times 16, bits 4-7 and 20-23: scaled back by 1/16 and
+# offset by 64 + 8 = 72), h2 / h3 the same of the word shifted right by 8. Constants: 0x6408 =
+# 1032.0, 0x2c00 = 1/16, 0xd480 = -72.0 (fp16). Measured on an H100 against the fp32 path at
+# its best launch: 4096x4096 10.8 -> 8.4 us, 4096x14336 25.1 -> 20.6, 14336x4096 24.7 -> 21.9
+# (benchmarks/gemv_variants.py, mode 1). The interpreter, which cannot run PTX, takes
+# `_centered_dot4`, the same sum in Triton.
+_DOT4_PTX = tl.constexpr("""{
+    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3;
+    .reg .b16 l0, u0, l1, u1, l2, u2, l3, u3;
+    .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;
+    mov.b32 c1, 0x64086408;
+    mov.b32 c2, 0x2c002c00;
+    mov.b32 c3, 0xd480d480;
+    shr.u32 t, $1, 8;
+    lop3.b32 h0, $1, 0x000f000f, 0x64006400, 0xea;
+    lop3.b32 h1, $1, 0x00f000f0, 0x64006400, 0xea;
+    lop3.b32 h2, t, 0x000f000f, 0x64006400, 0xea;
+    lop3.b32 h3, t, 0x00f000f0, 0x64006400, 0xea;
+    sub.f16x2 h0, h0, c1;
+    fma.rn.f16x2 h1, h1, c2, c3;
+    sub.f16x2 h2, h2, c1;
+    fma.rn.f16x2 h3, h3, c2, c3;
+    mov.b32 {l0, u0}, h0;
+    mov.b32 {l1, u1}, h1;
+    mov.b32 {l2, u2}, h2;
+    mov.b32 {l3, u3}, h3;
+    cvt.f32.f16 f0, l0;
+    cvt.f32.f16 f4, u0;
+    cvt.f32.f16 f1, l1;
+    cvt.f32.f16 f5, u1;
+    cvt.f32.f16 f2, l2;
+    cvt.f32.f16 f6, u2;
+    cvt.f32.f16 f3, l3;
+    cvt.f32.f16 f7, u3;
+    mul.f32 $0, f0, $2;
+    fma.rn.f32 $0, f1, $3, $0;
+    fma.rn.f32 $0, f2, $4, $0;
+    fma.rn.f32 $0, f3, $5, $0;
+    fma.rn.f32 $0, f4, $6, $0;
+    fma.rn.f32 $0, f5, $7, $0;
+    fma.rn.f32 $0, f6, $8, $0;
+    fma.rn.f32 $0, f7, $9, $0;
+}""")
+
+
+@triton.jit
+def _centered_dot4(word, x0, x1, x2, x3, x4, x5, x6, x7, PTX: tl.constexpr):
+    """sum_j (code_j - 8) x_j over the 8 codes of each 4-bit word [BLOCK_N, UNITS], x_j [UNITS]
+    (fp32): in PTX on a GPU (`_DOT4_PTX`), in Triton under the interpreter, the same fp32 sum."""
+    if PTX:
+        shape: tl.constexpr = word.shape
+        dot = tl.inline_asm_elementwise(
+            _DOT4_PTX, "=f,r,f,f,f,f,f,f,f,f",
+            [word, tl.broadcast_to(x0[None, :], shape), tl.broadcast_to(x1[None, :], shape), tl.broadcast_to(x2[None, :], shape),
+             tl.broadcast_to(x3[None, :], shape), tl.broadcast_to(x4[None, :], shape), tl.broadcast_to(x5[None, :], shape),
+             tl.broadcast_to(x6[None, :], shape), tl.broadcast_to(x7[None, :], shape)],
+            dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        dot = (_exact_codes(word & 15, False) - 8.0) * x0[None, :]
+        dot += (_exact_codes((word >> 4) & 15, False) - 8.0) * x1[None, :]
+        dot += (_exact_codes((word >> 8) & 15, False) - 8.0) * x2[None, :]
+        dot += (_exact_codes((word >> 12) & 15, False) - 8.0) * x3[None, :]
+        dot += (_exact_codes((word >> 16) & 15, False) - 8.0) * x4[None, :]
+        dot += (_exact_codes((word >> 20) & 15, False) - 8.0) * x5[None, :]
+        dot += (_exact_codes((word >> 24) & 15, False) - 8.0) * x6[None, :]
+        dot += (_exact_codes((word >> 28) & 15, False) - 8.0) * x7[None, :]
+    return dot
+
+
 @triton.jit
 def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_bn, group_size,
-                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr, BLOCK_N: tl.constexpr,
-                      WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr, PTX: tl.constexpr,
+                      BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr):
     """Batch 1. Grids: per unit, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
-    * scale. Codebooks (table_ptr): sum_j codebook[code_j] x[k_j]. 2:4 grids: per unit,
-    sum over its dense columns of the kept (code - offset) x[k], times the scale. Program
-    (i, s) covers rows block i over slice s of K."""
+    * scale; 4-bit grids: sum_j (code_j - 8) x[k_j] (`_centered_dot4`; PTX: decoded in half2 on
+    a GPU), minus zero * sum_j x[k_j] if asymmetric, times the scale. Codebooks (table_ptr):
+    sum_j codebook[code_j] x[k_j]. 2:4 grids: per unit, sum over its dense columns of the kept
+    (code - offset) x[k], times the scale. Program (i, s) covers rows block i over slice s of K.
+    PREFETCH: the next block's words are loaded before this block's arithmetic, so each program
+    has two blocks of loads in flight (Triton pipelines only loads that feed tl.dot)."""
     SPANS: tl.constexpr = unit_words(BITS)
     CODES: tl.constexpr = unit_codes(BITS)
     UNITS: tl.constexpr = block_units(BITS, WORDS, SPARSE24)
@@ -621,8 +700,18 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
     start, end = _k_slice(tl.program_id(1), tl.cdiv(stored, CODES), UNITS, SPLIT_K)
+    if PREFETCH:
+        next1, next2, next3 = _unit_words(packed_ptr, rn, start, tl.where(start < end, N, 0), stored, stride_pn, BITS, UNITS, SPANS)
+    else:  # (unused: the loop loads its own block)
+        next1 = tl.zeros((BLOCK_N, UNITS), dtype=tl.int32)
+        next2 = next1
+        next3 = next1
     for u0 in range(start, end, UNITS):
-        first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS)
+        if PREFETCH:  # this block's words were loaded last iteration; load the next (rows masked off past the slice)
+            first, second, third = next1, next2, next3
+            next1, next2, next3 = _unit_words(packed_ptr, rn, u0 + UNITS, tl.where(u0 + UNITS < end, N, 0), stored, stride_pn, BITS, UNITS, SPANS)
+        else:
+            first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS)
         rk = (u0 + tl.arange(0, UNITS)) * CODES  # each unit's first column
         if CODEBOOK:
             for j in tl.static_range(CODES):
@@ -639,6 +728,18 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                     x = tl.load(x_ptr + rk * 2 + d, mask=rk * 2 + d < K, other=0.0).to(tl.float32)
                     code, kept = _sparse24_code(first, keep, d, BITS)
                     codes_x += tl.where(kept, _exact_codes(code, False) - offset, 0.0) * x[None, :]
+            elif BITS == 4:
+                x0 = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+                x1 = tl.load(x_ptr + rk + 1, mask=rk + 1 < K, other=0.0).to(tl.float32)
+                x2 = tl.load(x_ptr + rk + 2, mask=rk + 2 < K, other=0.0).to(tl.float32)
+                x3 = tl.load(x_ptr + rk + 3, mask=rk + 3 < K, other=0.0).to(tl.float32)
+                x4 = tl.load(x_ptr + rk + 4, mask=rk + 4 < K, other=0.0).to(tl.float32)
+                x5 = tl.load(x_ptr + rk + 5, mask=rk + 5 < K, other=0.0).to(tl.float32)
+                x6 = tl.load(x_ptr + rk + 6, mask=rk + 6 < K, other=0.0).to(tl.float32)
+                x7 = tl.load(x_ptr + rk + 7, mask=rk + 7 < K, other=0.0).to(tl.float32)
+                codes_x = _centered_dot4(first, x0, x1, x2, x3, x4, x5, x6, x7, PTX)
+                if HAS_ZERO:  # offset = 8 + zero point: the 8 is in the dot
+                    codes_x -= (offset - 8.0) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
             else:
                 x_sum = tl.zeros((UNITS,), dtype=tl.float32)
                 for j in tl.static_range(CODES):
@@ -697,14 +798,17 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     _write(y_ptr + rm[:, None] * stride_ym + rn[None, :], tl.trans(acc), (rm[:, None] < M) & (rn[None, :] < N), SPLIT_K)
 
 
-# Launch shapes for the autotuner to time (BLOCK_N, WORDS[, BLOCK_M], SPLIT_K; warps, stages). The
-# first of each list is what the interpreter runs; tests run every one of them there.
+# Launch shapes for the autotuner to time (BLOCK_N, WORDS[, BLOCK_M], SPLIT_K[, PREFETCH]; warps,
+# stages). The first of each list is what the interpreter runs; tests run every one of them there.
+# The GEMV's: on an H100, small row blocks over long runs of words were fastest for every kind
+# (benchmarks/gemv_variants.py; the tuner picked BLOCK_N 8 for each kind in the last full run).
 GEMV_CONFIGS = [
-    _split_k({"BLOCK_N": n, "WORDS": w, "SPLIT_K": split}, num_warps=warps, num_stages=stages)
-    for n, w, split, warps, stages in [
-        (16, 64, 1, 4, 3), (32, 64, 1, 4, 3), (64, 32, 1, 4, 3), (16, 128, 1, 4, 3), (32, 128, 1, 8, 3), (8, 128, 1, 4, 4),
-        (64, 64, 1, 8, 3), (32, 32, 1, 4, 4), (8, 64, 1, 4, 4), (16, 64, 1, 8, 4), (128, 32, 1, 8, 3), (4, 128, 1, 4, 4),
-        (32, 64, 2, 4, 3), (64, 64, 4, 4, 3), (64, 32, 4, 4, 3), (128, 32, 4, 8, 3), (32, 128, 4, 4, 3), (16, 128, 2, 4, 3), (64, 64, 8, 8, 3),
+    _split_k({"BLOCK_N": n, "WORDS": w, "SPLIT_K": split, "PREFETCH": prefetch}, num_warps=warps, num_stages=3)
+    for n, w, split, prefetch, warps in [
+        (16, 64, 1, False, 4), (8, 128, 1, False, 4), (4, 256, 1, False, 4), (8, 256, 1, False, 8), (4, 128, 1, False, 4), (8, 64, 1, False, 4),
+        (2, 512, 1, False, 4), (16, 128, 1, False, 4), (32, 64, 1, False, 4),
+        (8, 128, 1, True, 4), (4, 256, 1, True, 4), (4, 128, 1, True, 4), (8, 64, 1, True, 4), (16, 64, 1, True, 4),
+        (8, 128, 2, False, 4), (4, 256, 2, False, 4), (8, 64, 4, False, 4), (16, 64, 2, False, 4), (4, 128, 4, True, 4), (8, 128, 2, True, 4),
     ]
 ]
 GEMM_CONFIGS = [
@@ -715,7 +819,7 @@ GEMM_CONFIGS = [
         (16, 64, 16, 2, 4, 4), (16, 64, 32, 4, 4, 3), (16, 128, 32, 4, 8, 3), (32, 64, 16, 4, 4, 4), (64, 64, 16, 2, 4, 4), (64, 128, 32, 2, 8, 3),
     ]
 ]
-_GEMV = _tuned(_grid_gemv_kernel, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24"])
+_GEMV = _tuned(_grid_gemv_kernel, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX"])
 _GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24"])
 
 
@@ -743,7 +847,7 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
             config.pre_hook({"y_ptr": y})
     if M == 1:
         grid = lambda meta: (triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-        kernel[grid](x, *tensors, y, weight.rows, K, *strides, **flags, **settings)
+        kernel[grid](x, *tensors, y, weight.rows, K, *strides, **flags, PTX=x.is_cuda, **settings)
     else:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
         kernel[grid](x, *tensors, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
