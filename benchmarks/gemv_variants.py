@@ -5,10 +5,11 @@
 
 An experiment for issue 3's batch-1 goal (over 3x fp16), not a serving path: int4, symmetric,
 group 128, shapes that divide the launch evenly. Modes:
-  0  fp32 (pure Triton, as compressors/packed_int.py): per code a shift, an OR with 2^23's bits,
-     a subtraction and an FMA;
-  1  PTX: a word's 8 codes decoded two at a time into half2 with lop3 (the magic-number decode
-     of FasterTransformer and Marlin, exact), converted to fp32 and FMA'd with fp32 x;
+  0  fp32 (pure Triton, as compressors/packed_int.py was): per code a shift, an OR with 2^23's
+     bits, a subtraction and an FMA;
+  1  PTX (`_DOT4_PTX`, which compressors/packed_int.py now serves): a word's 8 codes decoded two
+     at a time into half2 with lop3 (the magic-number decode of FasterTransformer and Marlin,
+     exact), converted to fp32 and FMA'd with fp32 x;
   2  PTX: as 1, but multiplied and summed in half2 against x pairs (x[c], x[c + 4]), fp32 after
      each word's 8 products.
 Every (mode, launch shape) is timed from a CUDA graph over L2-overflowing copies of the weight
@@ -34,49 +35,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-# 8 int4 codes of a word as 4 half2 values (q - 8), pairs (code c, code c + 4): lop3 keeps a
-# nibble in each half's low mantissa bits under 1024's exponent (0x6400), so a half reads 1024 + q
-# (or 1024 + 16 q for the nibble above); one sub / fma per half2 removes 1024 (and the 16) and
-# the offset 8, exactly.
-_DECODE = """
-    mov.b32 c1, 0x64086408;
-    mov.b32 c2, 0x2c002c00;
-    mov.b32 c3, 0xd480d480;
-    shr.u32 t, $1, 8;
-    lop3.b32 h0, $1, 0x000f000f, 0x64006400, 0xea;
-    lop3.b32 h1, $1, 0x00f000f0, 0x64006400, 0xea;
-    lop3.b32 h2, t, 0x000f000f, 0x64006400, 0xea;
-    lop3.b32 h3, t, 0x00f000f0, 0x64006400, 0xea;
-    sub.f16x2 h0, h0, c1;
-    fma.rn.f16x2 h1, h1, c2, c3;
-    sub.f16x2 h2, h2, c1;
-    fma.rn.f16x2 h3, h3, c2, c3;
-"""
-# mode 1: x0..x7 as fp32 ($2..$9); code c of the word multiplies x[c]
-ASM_FP32 = tl.constexpr("{\n .reg .b32 t, h0, h1, h2, h3, c1, c2, c3;\n .reg .b16 l0, u0, l1, u1, l2, u2, l3, u3;\n .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;\n" + _DECODE + """
-    mov.b32 {l0, u0}, h0;
-    mov.b32 {l1, u1}, h1;
-    mov.b32 {l2, u2}, h2;
-    mov.b32 {l3, u3}, h3;
-    cvt.f32.f16 f0, l0;
-    cvt.f32.f16 f4, u0;
-    cvt.f32.f16 f1, l1;
-    cvt.f32.f16 f5, u1;
-    cvt.f32.f16 f2, l2;
-    cvt.f32.f16 f6, u2;
-    cvt.f32.f16 f3, l3;
-    cvt.f32.f16 f7, u3;
-    mul.f32 $0, f0, $2;
-    fma.rn.f32 $0, f1, $3, $0;
-    fma.rn.f32 $0, f2, $4, $0;
-    fma.rn.f32 $0, f3, $5, $0;
-    fma.rn.f32 $0, f4, $6, $0;
-    fma.rn.f32 $0, f5, $7, $0;
-    fma.rn.f32 $0, f6, $8, $0;
-    fma.rn.f32 $0, f7, $9, $0;
-}""")
-# mode 2: x pairs (x[c], x[c + 4]) as half2 ($2..$5)
-ASM_FP16 = tl.constexpr("{\n .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, a;\n .reg .b16 lo, hi;\n .reg .f32 flo, fhi;\n" + _DECODE + """
+from compressors.packed_int import _DOT4_PTX as ASM_FP32  # noqa: E402  (mode 1: the served decode; x0..x7 fp32 in $2..$9)
+from compressors.packed_int import HALF2_DECODE4  # noqa: E402
+
+# mode 2: the same decode, then x pairs (x[c], x[c + 4]) as half2 ($2..$5) multiplied in half2
+ASM_FP16 = tl.constexpr("{\n .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, a;\n .reg .b16 lo, hi;\n .reg .f32 flo, fhi;\n" + HALF2_DECODE4 + """
     mul.rn.f16x2 a, h0, $2;
     fma.rn.f16x2 a, h1, $3, a;
     fma.rn.f16x2 a, h2, $4, a;
@@ -181,7 +144,7 @@ def sass_counts() -> None:
                          "stride_pn": "i32", "stride_sn": "i32", "GROUP": "constexpr", "MODE": "constexpr", "X2D": "constexpr", "BLOCK_N": "constexpr",
                          "WORDS": "constexpr", "SPLIT_K": "constexpr"}
             attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
-            src = ASTSource(gemv_int4, signature, {"GROUP": 128, "MODE": mode, "BLOCK_N": block_n, "WORDS": words, "SPLIT_K": split_k}, attrs)
+            src = ASTSource(gemv_int4, signature, {"GROUP": 128, "MODE": mode, "X2D": 0, "BLOCK_N": block_n, "WORDS": words, "SPLIT_K": split_k}, attrs)
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
             with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
                 cubin.write(compiled.asm["cubin"])
@@ -202,6 +165,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096")
     parser.add_argument("--modes", default="0,1,2")
     parser.add_argument("--sass", action="store_true")
+    parser.add_argument("--production", action="store_true", help="time compressors/packed_int.py's GEMV at each of its launch shapes instead")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_variants"))
     args = parser.parse_args()
     if args.sass:
@@ -220,6 +184,18 @@ def main() -> None:
         fp16 = weight_seconds(lambda w: x @ w.T, dense)
         current = weight_seconds(lambda w: matmul_triton(x, w), weight)
         print(f"{shape}: fp16 {fp16 * 1e6:.1f} us, current kernel {current * 1e6:.1f} us ({fp16 / current:.2f}x)", flush=True)
+        if args.production:  # each launch shape the autotuner chooses from, timed as serving replays it
+            from compressors.packed_int import GEMV_CONFIGS, _grid_matmul
+
+            for config in GEMV_CONFIGS:
+                y = torch.empty(1, n, device="cuda", dtype=torch.float16)
+                error = ((_grid_matmul(x, weight, y, config).float() - reference).norm() / reference.norm()).item()
+                seconds = weight_seconds(lambda w: _grid_matmul(x, w, torch.empty(1, n, device="cuda", dtype=torch.float16), config), weight)
+                row = dict(shape=shape, launch=str(config.all_kwargs()), us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2), rel_error=error,
+                           fp16_us=round(fp16 * 1e6, 1), autotuned_us=round(current * 1e6, 1), read_TBps=round(weight.nbytes / seconds / 1e12, 2))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            continue
         for mode, x2d in itertools.product(map(int, args.modes.split(",")), (0, 1)):
             for block_n, words, split_k, warps in LAUNCHES:
                 if mode == 0 and x2d:
@@ -237,6 +213,12 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemv_variants.json").write_text(json.dumps(rows, indent=1))
+    if args.production:
+        for shape, group in itertools.groupby(sorted(rows, key=lambda r: (r["shape"], r["us"])), key=lambda r: r["shape"]):
+            best = next(group)
+            print(f"{shape}: autotuned {best['autotuned_us']} us = {best['fp16_us'] / best['autotuned_us']:.2f}x fp16 ({best['fp16_us']} us); "
+                  f"best launch {best['us']} us = {best['speedup']}x, {best['read_TBps']} TB/s, {best['launch']}, rel error {best['rel_error']:.1e}")
+        return
     print("\nbest per shape and mode:")
     for (shape, mode), group in itertools.groupby(sorted(rows, key=lambda r: (r["shape"], r["mode"], r["us"])), key=lambda r: (r["shape"], r["mode"])):
         best = next(group)

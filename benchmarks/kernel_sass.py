@@ -66,14 +66,16 @@ def opcodes(machine_code: str) -> collections.Counter:
 
 # (name, kernel attribute, constexprs): the decode paths lmpress serves, grid kernels at one
 # launch shape each (which shape the autotuner picks changes tiling, not the code paths)
-NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False, "PTX": False, "PREFETCH": False}  # settings that an earlier kernel without them had implicitly
+NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False, "PTX": False, "EVEN": False,
+           "GROUP": 128}  # GROUP: earlier kernels took the group size at run time  # settings that an earlier kernel without them had implicitly
 GRID = dict(BITS=4, HAS_ZERO=False, **NEUTRAL)
 GENERAL = dict(CODEBOOK=False, HAS_ZERO=False, SPARSE24=False)
 CASES = [
     ("grid GEMV int4", "_grid_gemv_kernel", dict(GRID, BLOCK_N=8, WORDS=128)),
     ("grid GEMV int4 PTX decode", "_grid_gemv_kernel", dict(GRID, PTX=True, BLOCK_N=4, WORDS=256)),
-    ("grid GEMV int4 asymmetric PTX decode prefetch", "_grid_gemv_kernel", dict(GRID, HAS_ZERO=True, PTX=True, PREFETCH=True, BLOCK_N=4, WORDS=256)),
-    ("grid GEMV codebook 3-bit prefetch", "_grid_gemv_kernel", dict(GRID, BITS=3, CODEBOOK=True, PREFETCH=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMV int4 PTX decode whole blocks per-channel", "_grid_gemv_kernel", dict(GRID, PTX=True, EVEN=True, GROUP=0, BLOCK_N=4, WORDS=256)),
+    ("grid GEMV int4 asymmetric PTX decode whole blocks", "_grid_gemv_kernel", dict(GRID, HAS_ZERO=True, PTX=True, EVEN=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMV codebook 3-bit whole blocks", "_grid_gemv_kernel", dict(GRID, BITS=3, CODEBOOK=True, EVEN=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMV int8 asymmetric", "_grid_gemv_kernel", dict(GRID, BITS=8, HAS_ZERO=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMV int4 split-K 4", "_grid_gemv_kernel", dict(GRID, BLOCK_N=32, WORDS=128, SPLIT_K=4)),
     ("grid GEMM int4", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16)),

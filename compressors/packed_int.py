@@ -487,20 +487,26 @@ def block_units(bits: int, words: int, sparse24: bool = False) -> int:
 
 
 @triton.jit
-def _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr, i: tl.constexpr):
-    """Word i of each unit [BLOCK_N, UNITS] of rows rn from unit u0 on, zero outside the matrix."""
+def _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr, i: tl.constexpr,
+                EVEN: tl.constexpr):
+    """Word i of each unit [BLOCK_N, UNITS] of rows rn from unit u0 on, zero outside the matrix.
+    EVEN: the block lies inside the rows' words (`_whole_blocks`), so only rows are masked: a
+    mask that varies along the words would keep the compiler from loading several at once."""
     rw = (u0 + tl.arange(0, UNITS)) * SPANS + i
-    inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(stored * BITS, 32))
+    if EVEN:
+        inside = rn[:, None] < N
+    else:
+        inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(stored * BITS, 32))
     return tl.load(packed_ptr + rn[:, None] * stride_pn + rw[None, :], mask=inside, other=0)
 
 
 @triton.jit
-def _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr):
+def _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS: tl.constexpr, UNITS: tl.constexpr, SPANS: tl.constexpr, EVEN: tl.constexpr = False):
     """A unit's words (the same tensor thrice when a unit is one word), loaded once each."""
-    first = _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, 0)
+    first = _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, 0, EVEN)
     if SPANS == 3:
-        second = _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, 1)
-        third = _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, 2)
+        second = _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, 1, EVEN)
+        third = _grid_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, 2, EVEN)
     else:
         second = first
         third = first
@@ -577,13 +583,18 @@ def _sparse24_code(word, keep, d, BITS: tl.constexpr):
 
 
 @triton.jit
-def _group_scales(scale_ptr, zero_ptr, rn, u0, N, stored, stride_sn, stride_zn, group_size, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+def _group_scales(scale_ptr, zero_ptr, rn, u0, N, stored, stride_sn, stride_zn, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
                   UNITS: tl.constexpr, CODES: tl.constexpr):
     """Per unit [BLOCK_N, UNITS] the scale and the offset (2^(bits-1) + zero point) of the
-    group it lies in: value = (code - offset) * scale."""
+    group it lies in: value = (code - offset) * scale. GROUP: stored columns a group, 0 for
+    one group a row; a constant, so finding the group is a shift, not a division (about 20
+    instructions a unit on sm_90)."""
     first_column = (u0 + tl.arange(0, UNITS)) * CODES
     inside = (rn[:, None] < N) & (first_column[None, :] < stored)
-    group = first_column[None, :] // group_size
+    if GROUP == 0:
+        group = tl.zeros_like(first_column)[None, :]
+    else:
+        group = first_column[None, :] // GROUP
     scale = tl.load(scale_ptr + rn[:, None] * stride_sn + group, mask=inside, other=0.0).to(tl.float32)
     offset = tl.zeros_like(scale) + (1 << (BITS - 1))
     if HAS_ZERO:
@@ -618,10 +629,7 @@ def _exact_codes(codes, FP16: tl.constexpr):
 # its best launch: 4096x4096 10.8 -> 8.4 us, 4096x14336 25.1 -> 20.6, 14336x4096 24.7 -> 21.9
 # (benchmarks/gemv_variants.py, mode 1). The interpreter, which cannot run PTX, takes
 # `_centered_dot4`, the same sum in Triton.
-_DOT4_PTX = tl.constexpr("""{
-    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3;
-    .reg .b16 l0, u0, l1, u1, l2, u2, l3, u3;
-    .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;
+HALF2_DECODE4 = """
     mov.b32 c1, 0x64086408;
     mov.b32 c2, 0x2c002c00;
     mov.b32 c3, 0xd480d480;
@@ -634,6 +642,11 @@ _DOT4_PTX = tl.constexpr("""{
     fma.rn.f16x2 h1, h1, c2, c3;
     sub.f16x2 h2, h2, c1;
     fma.rn.f16x2 h3, h3, c2, c3;
+"""  # the word $1 -> (code - 8) as half2 h0..h3 (registers t, h0-h3, c1-c3 declared by the caller)
+_DOT4_PTX = tl.constexpr("""{
+    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3;
+    .reg .b16 l0, u0, l1, u1, l2, u2, l3, u3;
+    .reg .f32 f0, f1, f2, f3, f4, f5, f6, f7;""" + HALF2_DECODE4 + """
     mov.b32 {l0, u0}, h0;
     mov.b32 {l1, u1}, h1;
     mov.b32 {l2, u2}, h2;
@@ -682,16 +695,16 @@ def _centered_dot4(word, x0, x1, x2, x3, x4, x5, x6, x7, PTX: tl.constexpr):
 
 
 @triton.jit
-def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_bn, group_size,
-                      BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr, PTX: tl.constexpr,
-                      BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr, PREFETCH: tl.constexpr):
+def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_bn,
+                      GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
+                      PTX: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr):
     """Batch 1. Grids: per unit, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
     * scale; 4-bit grids: sum_j (code_j - 8) x[k_j] (`_centered_dot4`; PTX: decoded in half2 on
     a GPU), minus zero * sum_j x[k_j] if asymmetric, times the scale. Codebooks (table_ptr):
     sum_j codebook[code_j] x[k_j]. 2:4 grids: per unit, sum over its dense columns of the kept
     (code - offset) x[k], times the scale. Program (i, s) covers rows block i over slice s of K.
-    PREFETCH: the next block's words are loaded before this block's arithmetic, so each program
-    has two blocks of loads in flight (Triton pipelines only loads that feed tl.dot)."""
+    (Loading the next block's words before this block's arithmetic, by hand, since Triton
+    pipelines only loads that feed tl.dot, was no faster on an H100: 8.4 -> 8.7 us at 4096x4096.)"""
     SPANS: tl.constexpr = unit_words(BITS)
     CODES: tl.constexpr = unit_codes(BITS)
     UNITS: tl.constexpr = block_units(BITS, WORDS, SPARSE24)
@@ -700,18 +713,9 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
     start, end = _k_slice(tl.program_id(1), tl.cdiv(stored, CODES), UNITS, SPLIT_K)
-    if PREFETCH:
-        next1, next2, next3 = _unit_words(packed_ptr, rn, start, tl.where(start < end, N, 0), stored, stride_pn, BITS, UNITS, SPANS)
-    else:  # (unused: the loop loads its own block)
-        next1 = tl.zeros((BLOCK_N, UNITS), dtype=tl.int32)
-        next2 = next1
-        next3 = next1
     for u0 in range(start, end, UNITS):
-        if PREFETCH:  # this block's words were loaded last iteration; load the next (rows masked off past the slice)
-            first, second, third = next1, next2, next3
-            next1, next2, next3 = _unit_words(packed_ptr, rn, u0 + UNITS, tl.where(u0 + UNITS < end, N, 0), stored, stride_pn, BITS, UNITS, SPANS)
-        else:
-            first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS)
+        u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
+        first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)
         rk = (u0 + tl.arange(0, UNITS)) * CODES  # each unit's first column
         if CODEBOOK:
             for j in tl.static_range(CODES):
@@ -720,7 +724,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                 value = tl.load(table_ptr + rn[:, None] * stride_tn + codes, mask=rn[:, None] < N, other=0.0)
                 acc += value.to(tl.float32) * x[None, :]
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES)
             codes_x = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
             if SPARSE24:  # the offset per kept column, since which columns count differs by row
                 keep = _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS, UNITS)
@@ -753,7 +757,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
 
 @triton.jit
 def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_bn,
-                      stride_ym, group_size, M_BUCKET, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
+                      stride_ym, M_BUCKET, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, UNITS * COLUMNS] (codes
     spread to column order; 2:4: to the dense columns, zeros included) being the tensor cores'
@@ -783,7 +787,7 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
             if x_ptr.dtype.element_ty != tl.float16:
                 w = w.to(tl.float32)
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, group_size, BITS, HAS_ZERO, UNITS, CODES)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES)
             if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly: (q - offset) is exact there, and
                 # the fp16 product rounds once, as the fp32 product cast to fp16 did, so the tile is the same
                 w = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
@@ -798,17 +802,16 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     _write(y_ptr + rm[:, None] * stride_ym + rn[None, :], tl.trans(acc), (rm[:, None] < M) & (rn[None, :] < N), SPLIT_K)
 
 
-# Launch shapes for the autotuner to time (BLOCK_N, WORDS[, BLOCK_M], SPLIT_K[, PREFETCH]; warps,
-# stages). The first of each list is what the interpreter runs; tests run every one of them there.
-# The GEMV's: on an H100, small row blocks over long runs of words were fastest for every kind
-# (benchmarks/gemv_variants.py; the tuner picked BLOCK_N 8 for each kind in the last full run).
+# Launch shapes for the autotuner to time (BLOCK_N, WORDS[, BLOCK_M], SPLIT_K; warps, stages). The
+# first of each list is what the interpreter runs; tests run every one of them there. The GEMV's:
+# small row blocks over long runs of words; on an H100 the tuner picked BLOCK_N 8 for every kind,
+# and 8 x 128 words was the fastest int4 shape at all three layer shapes timed
+# (benchmarks/results/gemv_int4_h100.md).
 GEMV_CONFIGS = [
-    _split_k({"BLOCK_N": n, "WORDS": w, "SPLIT_K": split, "PREFETCH": prefetch}, num_warps=warps, num_stages=3)
-    for n, w, split, prefetch, warps in [
-        (16, 64, 1, False, 4), (8, 128, 1, False, 4), (4, 256, 1, False, 4), (8, 256, 1, False, 8), (4, 128, 1, False, 4), (8, 64, 1, False, 4),
-        (2, 512, 1, False, 4), (16, 128, 1, False, 4), (32, 64, 1, False, 4),
-        (8, 128, 1, True, 4), (4, 256, 1, True, 4), (4, 128, 1, True, 4), (8, 64, 1, True, 4), (16, 64, 1, True, 4),
-        (8, 128, 2, False, 4), (4, 256, 2, False, 4), (8, 64, 4, False, 4), (16, 64, 2, False, 4), (4, 128, 4, True, 4), (8, 128, 2, True, 4),
+    _split_k({"BLOCK_N": n, "WORDS": w, "SPLIT_K": split}, num_warps=warps, num_stages=3)
+    for n, w, split, warps in [
+        (16, 64, 1, 4), (8, 128, 1, 4), (4, 256, 1, 4), (8, 256, 1, 8), (4, 128, 1, 4), (8, 64, 1, 4), (2, 512, 1, 4), (16, 128, 1, 4),
+        (32, 64, 1, 4), (8, 128, 2, 4), (4, 256, 2, 4), (8, 64, 4, 4), (16, 64, 2, 4), (4, 128, 4, 4),
     ]
 ]
 GEMM_CONFIGS = [
@@ -819,7 +822,16 @@ GEMM_CONFIGS = [
         (16, 64, 16, 2, 4, 4), (16, 64, 32, 4, 4, 3), (16, 128, 32, 4, 8, 3), (32, 64, 16, 4, 4, 4), (64, 64, 16, 2, 4, 4), (64, 128, 32, 2, 8, 3),
     ]
 ]
-_GEMV = _tuned(_grid_gemv_kernel, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX"])
+def _whole_blocks(args: dict) -> bool:
+    """Whether every block of the GEMV's K slices is whole: stored columns in whole units, units
+    in whole blocks per slice (then no word needs a mask along K)."""
+    sparse = args["SPARSE24"]
+    stored, codes = args["K"] // (2 if sparse else 1), unit_codes(args["BITS"])
+    return stored % codes == 0 and (stored // codes) % (block_units(args["BITS"], args["WORDS"], sparse) * args["SPLIT_K"]) == 0
+
+
+_grid_gemv = triton.heuristics({"EVEN": _whole_blocks})(_grid_gemv_kernel)
+_GEMV = _tuned(_grid_gemv, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX"])
 _GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24"])
 
 
@@ -839,10 +851,12 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     launch shape (one of GEMV_CONFIGS / GEMM_CONFIGS: how tests run each shape the tuner may pick)."""
     M, K = x.shape
     tensors, strides, flags = weight._kernel_args()
+    one_group = weight.scale is None or weight.scale.shape[1] == 1  # codebooks have none
+    flags = {key: value for key, value in flags.items() if key != "group_size"} | {"GROUP": 0 if one_group else weight.group_size}
     if config is None:
         kernel, settings = _GEMV if M == 1 else _GEMM
     else:
-        kernel, settings = (_grid_gemv_kernel if M == 1 else _grid_gemm_kernel), config.all_kwargs()
+        kernel, settings = (_grid_gemv if M == 1 else _grid_gemm_kernel), config.all_kwargs()
         if config.pre_hook is not None:
             config.pre_hook({"y_ptr": y})
     if M == 1:
