@@ -822,6 +822,8 @@ GEMM_CONFIGS = [
         (16, 64, 16, 2, 4, 4), (16, 64, 32, 4, 4, 3), (16, 128, 32, 4, 8, 3), (32, 64, 16, 4, 4, 4), (64, 64, 16, 2, 4, 4), (64, 128, 32, 2, 8, 3),
     ]
 ]
+
+
 def _whole_blocks(args: dict) -> bool:
     """Whether every block of the GEMV's K slices is whole: stored columns in whole units, units
     in whole blocks per slice (then no word needs a mask along K)."""
