@@ -4,7 +4,9 @@
 #             decode runs only there);
 #   validate  `lmpress validate` on each artifact (or artifact slice, benchmarks/artifact_slice.py)
 #             found under $SLICES (default .gpu/);
-#   speed     benchmarks/kernel_speed.py at realistic layer shapes ($SPEED_ARGS are passed on);
+#   speed     benchmarks/kernel_speed.py at realistic layer shapes ($SPEED_ARGS are passed on; the
+#             autotuner compiles each launch shape for each stored kind, serially, so on an H100
+#             all 8 kinds at 3 batches take longer than one 10-minute call: name a few with --kinds);
 #             with .gpu-baseline/packed_int.py (an earlier version of the kernels, e.g.
 #             `git show REV:compressors/packed_int.py`) it is timed side by side too;
 #   latency   `lmpress latency --random-weights` on the GPU: the table `search --budget-latency`
