@@ -66,8 +66,8 @@ def opcodes(machine_code: str) -> collections.Counter:
 
 # (name, kernel attribute, constexprs): the decode paths lmpress serves, grid kernels at one
 # launch shape each (which shape the autotuner picks changes tiling, not the code paths)
-NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False, "PTX": False, "EVEN": False,
-           "GROUP": 128}  # GROUP: earlier kernels took the group size at run time  # settings that an earlier kernel without them had implicitly
+# settings that an earlier kernel without them had implicitly (GROUP: it took the group size at run time)
+NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False, "PTX": False, "EVEN": False, "GROUP": 128}
 GRID = dict(BITS=4, HAS_ZERO=False, **NEUTRAL)
 GENERAL = dict(CODEBOOK=False, HAS_ZERO=False, SPARSE24=False)
 CASES = [

@@ -200,6 +200,7 @@ def test_every_tuned_launch_shape_matches_reference(batch, config, dtype):
                packed(4, 21, 4096, 128), packed(4, 3, 2304, None)]  # 4-bit symmetric: whole blocks (unmasked words), per-channel
     from triton.runtime.errors import OutOfResources
 
+    checked = 0
     for weight in weights:
         x = torch.randn(batch, weight.columns, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
         y = torch.full((batch, weight.rows), float("nan"), dtype=dtype, device=DEVICE)  # split-K must zero it first
@@ -208,6 +209,20 @@ def test_every_tuned_launch_shape_matches_reference(batch, config, dtype):
         except OutOfResources:  # a GPU's shared memory cannot hold this tile for this kind: the tuner times it as infinite, never runs it
             continue
         assert_matches_reference(got, x, weight, (config, weight.kind, weight.bits))
+        checked += 1
+    assert checked, f"{config}: no weight fits this launch shape, so nothing was checked"
+
+
+def test_whole_blocks_drop_the_k_mask_only_where_every_block_is_whole():
+    """The GEMV loads words unmasked along K (so 128 bits at a time) only when K splits into
+    whole units and whole blocks for the launch shape, split-K slices included."""
+    from compressors.packed_int import _whole_blocks
+
+    shape = lambda K, bits=4, words=128, split=1, sparse=False: dict(K=K, BITS=bits, WORDS=words, SPLIT_K=split, SPARSE24=sparse)  # noqa: E731
+    assert _whole_blocks(shape(4096)) and _whole_blocks(shape(4096, split=4)) and _whole_blocks(shape(14336, split=2))
+    assert not _whole_blocks(shape(4096, split=8)) and not _whole_blocks(shape(1344)) and not _whole_blocks(shape(4100))
+    assert _whole_blocks(shape(4096, bits=3, words=128)) and not _whole_blocks(shape(4000, bits=3, words=128))  # 32 units a block
+    assert _whole_blocks(shape(2048, sparse=True)) and not _whole_blocks(shape(4096, words=256, split=4, sparse=True))
 
 
 def test_split_k_is_not_tried_for_bf16_outputs():
