@@ -165,7 +165,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096")
     parser.add_argument("--modes", default="0,1,2")
     parser.add_argument("--sass", action="store_true")
-    parser.add_argument("--production", action="store_true", help="time compressors/packed_int.py's GEMV at each of its launch shapes instead")
+    parser.add_argument("--production", action="store_true",
+                        help="time compressors/packed_int.py's GEMV at each of its launch shapes instead, in unit order and interleaved")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_variants"))
     args = parser.parse_args()
     if args.sass:
@@ -184,17 +185,20 @@ def main() -> None:
         fp16 = weight_seconds(lambda w: x @ w.T, dense)
         current = weight_seconds(lambda w: matmul_triton(x, w), weight)
         print(f"{shape}: fp16 {fp16 * 1e6:.1f} us, current kernel {current * 1e6:.1f} us ({fp16 / current:.2f}x)", flush=True)
-        if args.production:  # each launch shape the autotuner chooses from, timed as serving replays it
+        if args.production:  # each launch shape the autotuner chooses from, timed as serving replays it, in both layouts
             from compressors.packed_int import GEMV_CONFIGS, _grid_matmul
 
-            for config in GEMV_CONFIGS:
-                y = torch.empty(1, n, device="cuda", dtype=torch.float16)
-                error = ((_grid_matmul(x, weight, y, config).float() - reference).norm() / reference.norm()).item()
-                seconds = weight_seconds(lambda w: _grid_matmul(x, w, torch.empty(1, n, device="cuda", dtype=torch.float16), config), weight)
-                row = dict(shape=shape, launch=str(config.all_kwargs()), us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2), rel_error=error,
-                           fp16_us=round(fp16 * 1e6, 1), autotuned_us=round(current * 1e6, 1), read_TBps=round(weight.nbytes / seconds / 1e12, 2))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            for layout, served in (("unit order", weight), ("interleaved", weight.interleave())):
+                autotuned = current if layout == "unit order" else weight_seconds(lambda w: matmul_triton(x, w), served)
+                for config in GEMV_CONFIGS:
+                    y = torch.empty(1, n, device="cuda", dtype=torch.float16)
+                    error = ((_grid_matmul(x, served, y, config).float() - reference).norm() / reference.norm()).item()
+                    seconds = weight_seconds(lambda w: _grid_matmul(x, w, torch.empty(1, n, device="cuda", dtype=torch.float16), config), served)
+                    row = dict(shape=shape, layout=layout, launch=str(config.all_kwargs()), us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2),
+                               rel_error=error, fp16_us=round(fp16 * 1e6, 1), autotuned_us=round(autotuned * 1e6, 1),
+                               read_TBps=round(weight.nbytes / seconds / 1e12, 2))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
             continue
         for mode, x2d in itertools.product(map(int, args.modes.split(",")), (0, 1)):
             for block_n, words, split_k, warps in LAUNCHES:
@@ -214,9 +218,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemv_variants.json").write_text(json.dumps(rows, indent=1))
     if args.production:
-        for shape, group in itertools.groupby(sorted(rows, key=lambda r: (r["shape"], r["us"])), key=lambda r: r["shape"]):
+        for (shape, layout), group in itertools.groupby(sorted(rows, key=lambda r: (r["shape"], r["layout"], r["us"])), key=lambda r: (r["shape"], r["layout"])):
             best = next(group)
-            print(f"{shape}: autotuned {best['autotuned_us']} us = {best['fp16_us'] / best['autotuned_us']:.2f}x fp16 ({best['fp16_us']} us); "
+            print(f"{shape} {layout}: autotuned {best['autotuned_us']} us = {best['fp16_us'] / best['autotuned_us']:.2f}x fp16 ({best['fp16_us']} us); "
                   f"best launch {best['us']} us = {best['speedup']}x, {best['read_TBps']} TB/s, {best['launch']}, rel error {best['rel_error']:.1e}")
         return
     print("\nbest per shape and mode:")

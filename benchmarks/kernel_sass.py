@@ -3,6 +3,7 @@ the compiler made of them: machine instructions (SASS) counted by opcode.
 
     python benchmarks/kernel_sass.py [--baseline OLD_packed_int.py]   # counts -> results/kernel_sass.{json,md}
     python benchmarks/kernel_sass.py --check                          # every kernel path compiles, or exit 1
+    python benchmarks/kernel_sass.py --gemv-layouts                   # the int4 GEMV's loop per launch shape and layout
 
 Triton ships ptxas and cuobjdump, so lowering to Hopper machine code needs no GPU. This
 catches what the interpreter cannot (it runs the Python, not the compiler: a kernel can pass
@@ -40,22 +41,30 @@ POINTERS = {"x_ptr": "fp16", "y_ptr": "fp16", "out_ptr": "fp16", "packed_ptr": "
             "zero_ptr": "i8", "bitmask_ptr": "u8"}
 
 
-def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, num_warps: int = 4, num_stages: int = 3) -> str:
-    """The kernel's machine code for compute capability `arch`, given its constexpr arguments."""
-    signature = {}
-    for name, param in zip(kernel.arg_names, kernel.params):
+def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, num_warps: int = 4, num_stages: int = 3,
+         aligned: bool = False, usage: bool = False) -> str:
+    """The kernel's machine code for compute capability `arch`, given its constexpr arguments.
+    aligned: every pointer and integer argument divisible by 16, as Triton specializes a launch
+    on 4096-wide layers (so loads may be vectorized as they are in serving). usage: the
+    resource usage (registers) too."""
+    signature, attrs = {}, {}
+    for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         if param.is_constexpr:
             signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
+            continue
+        if name.endswith("_ptr"):
             signature[name] = "*" + (activations if name in ("x_ptr", "y_ptr") else POINTERS[name])
         else:
             signature[name] = "i32"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        return subprocess.run([TOOLS / "cuobjdump", "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        dump = lambda flag: subprocess.run([TOOLS / "cuobjdump", flag, cubin.name], capture_output=True, text=True, check=True).stdout  # noqa: E731
+        return dump("-sass") + (dump("-res-usage") if usage else "")
 
 
 def opcodes(machine_code: str) -> collections.Counter:
@@ -64,10 +73,26 @@ def opcodes(machine_code: str) -> collections.Counter:
     return collections.Counter(found)
 
 
+def loop_body(machine_code: str) -> list[str]:
+    """The full opcodes (LDG.E.128, not LDG) of the longest loop: the instructions between the
+    target of a backward branch and the branch, which in these kernels is the loop over K."""
+    lines = [(int(address, 16), op, rest) for address, op, rest in
+             re.findall(r"^\s+/\*([0-9a-f]{4})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)(.*)$", machine_code, flags=re.M)]
+    spans = []
+    for address, op, rest in lines:
+        target = re.search(r"0x([0-9a-f]+)", rest)
+        if op == "BRA" and target and int(target.group(1), 16) < address:
+            spans.append((int(target.group(1), 16), address))
+    if not spans:
+        return []
+    start, end = max(spans, key=lambda span: span[1] - span[0])
+    return [op for address, op, _ in lines if start <= address <= end]
+
+
 # (name, kernel attribute, constexprs): the decode paths lmpress serves, grid kernels at one
 # launch shape each (which shape the autotuner picks changes tiling, not the code paths)
 # settings that an earlier kernel without them had implicitly (GROUP: it took the group size at run time)
-NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False, "PTX": False, "EVEN": False, "GROUP": 128}
+NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False, "PTX": False, "EVEN": False, "GROUP": 128, "INTERLEAVED": False}
 GRID = dict(BITS=4, HAS_ZERO=False, **NEUTRAL)
 GENERAL = dict(CODEBOOK=False, HAS_ZERO=False, SPARSE24=False)
 CASES = [
@@ -78,6 +103,11 @@ CASES = [
     ("grid GEMV codebook 3-bit whole blocks", "_grid_gemv_kernel", dict(GRID, BITS=3, CODEBOOK=True, EVEN=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMV int8 asymmetric", "_grid_gemv_kernel", dict(GRID, BITS=8, HAS_ZERO=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMV int4 split-K 4", "_grid_gemv_kernel", dict(GRID, BLOCK_N=32, WORDS=128, SPLIT_K=4)),
+    ("grid GEMV int4 PTX decode whole blocks interleaved", "_grid_gemv_kernel", dict(GRID, PTX=True, EVEN=True, INTERLEAVED=True, BLOCK_N=2, WORDS=512)),
+    ("grid GEMV int3 asymmetric interleaved", "_grid_gemv_kernel", dict(GRID, BITS=3, HAS_ZERO=True, INTERLEAVED=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMV codebook 4-bit interleaved", "_grid_gemv_kernel", dict(GRID, CODEBOOK=True, INTERLEAVED=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMM int4 interleaved", "_grid_gemm_kernel", dict(GRID, INTERLEAVED=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMM codebook 3-bit interleaved", "_grid_gemm_kernel", dict(GRID, BITS=3, CODEBOOK=True, INTERLEAVED=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int4", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int8 asymmetric", "_grid_gemm_kernel", dict(GRID, BITS=8, HAS_ZERO=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int4 split-K 2", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16, SPLIT_K=2)),
@@ -124,13 +154,48 @@ def compiles(module, name: str, constexprs: dict, activations: str) -> dict:
     return opcodes(sass(kernel, taken, activations))
 
 
+def gemv_layouts(out: Path) -> None:
+    """The served int4 GEMV (PTX decode, whole blocks, group 128, aligned as on 4096-wide layers)
+    at each launch shape the autotuner may pick, in unit order and interleaved: its loop's
+    memory instructions, the shared-memory round trips by which Triton moves x into the words'
+    layout included, and its registers. Static counts: speed is measured on a GPU."""
+    rows = []
+    for config in packed_int.GEMV_CONFIGS:
+        launch = config.kwargs
+        for interleaved in (False, True):
+            constexprs = dict(GRID, PTX=True, EVEN=True, INTERLEAVED=interleaved, **{k: launch[k] for k in ("BLOCK_N", "WORDS", "SPLIT_K")})
+            code = sass(packed_int._grid_gemv_kernel, constexprs, num_warps=config.num_warps, num_stages=config.num_stages, aligned=True, usage=True)
+            body = collections.Counter(loop_body(code))
+            memory = {op: body[op] for op in sorted(body) if op.split(".")[0] in ("LDG", "STS", "STSM", "LDS", "BAR")}
+            rows.append({"launch": f"{launch['BLOCK_N']} x {launch['WORDS']}, split {launch['SPLIT_K']}, {config.num_warps} warps",
+                         "layout": "interleaved" if interleaved else "unit order", "registers": int(re.search(r"REG:(\d+)", code).group(1)),
+                         "words_per_thread": launch["BLOCK_N"] * launch["WORDS"] // (32 * config.num_warps),
+                         "loop_instructions": sum(body.values()), "loop_memory": memory})
+            print(json.dumps(rows[-1]), flush=True)
+    report = {"target": "sm_90 (H100), fp16 x, int4 symmetric group 128, PTX decode, whole blocks", "triton": triton.__version__, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"The int4 GEMV's loop over K as compiled for {report['target']}, Triton {report['triton']} "
+             "(`python benchmarks/kernel_sass.py --gemv-layouts`): instructions in the loop body, its memory instructions by width, "
+             "and registers. STS/STSM, LDS and BAR are x moved through shared memory into the words' layout. Static counts, not timings.", "",
+             "| launch shape | layout | registers | words a thread loads per iteration | loop instructions | memory instructions in the loop |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['launch']} | {r['layout']} | {r['registers']} | {r['words_per_thread']} | {r['loop_instructions']} | "
+              + ", ".join(f"{op} {n}" for op, n in r["loop_memory"].items()) + " |" for r in rows]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true", help="compile every case for fp16 and bf16 activations; exit 1 on a failure")
     parser.add_argument("--baseline", type=Path, help="an earlier compressors/packed_int.py to count side by side")
+    parser.add_argument("--gemv-layouts", action="store_true", help="the int4 GEMV's loop at each launch shape, unit order and interleaved")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_sass")
     args = parser.parse_args()
 
+    if args.gemv_layouts:
+        return gemv_layouts(args.out.with_name("gemv_layouts_sass"))
     if args.check:
         failed = []
         for title, name, constexprs in CASES:

@@ -46,8 +46,10 @@ KINDS = {
 
 
 def random_packed(kind: str, n: int, k: int, device, group: int = 128) -> PackedWeight:
-    bits, stored = KINDS[kind]
-    return random_packed_weight(bits, n, k, None if stored == "codebook" else group, stored).to(device)
+    """A kind of KINDS; with "-interleaved" (int4-interleaved, ...) in the interleaved layout."""
+    bits, stored = KINDS[kind.removesuffix("-interleaved")]
+    weight = random_packed_weight(bits, n, k, None if stored == "codebook" else group, stored)
+    return (weight.interleave() if kind.endswith("-interleaved") else weight).to(device)
 
 
 def load_kernels(path: Path):
@@ -71,7 +73,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096", help="NxK (out x in), comma-separated")
     parser.add_argument("--batches", default="1,16,64")
-    parser.add_argument("--kinds", default="int4,int8,int3,int4-asym,codebook4,codebook3,sparse24-fp16,sparse24-int4", help="packed weights to time")
+    parser.add_argument("--kinds", default="int4,int8,int3,int4-asym,codebook4,codebook3,sparse24-fp16,sparse24-int4",
+                        help="packed weights to time; a kind + '-interleaved' (int4-interleaved) is that kind in the interleaved layout")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works in the Triton interpreter)")
     parser.add_argument("--baseline", type=Path, help="another version of compressors/packed_int.py to time side by side")
     parser.add_argument("--baseline-kinds", help="time the baseline on these kinds only (default: every kind)")
@@ -124,15 +127,15 @@ def main() -> None:
                 row["fp16_bandwidth_fraction"] = round(2 * n * k / fp16 / bandwidth, 3)
             for kind, weight in weights.items():
                 for prefix, matmul in versions.items():
-                    if prefix and args.baseline_kinds and kind not in args.baseline_kinds.split(","):
-                        continue
+                    if prefix and (weight.interleaved or args.baseline_kinds and kind not in args.baseline_kinds.split(",")):
+                        continue  # (a baseline's kernels read unit order only)
                     error = (matmul(x, weight).float() - matmul_reference(x, weight).float()).abs().max().item()
                     seconds = weight_seconds(lambda w: matmul(x, w), weight)
                     row[f"{prefix}{kind}_us"], row[f"{prefix}{kind}_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
                     row[f"{prefix}{kind}_max_abs_error"] = error
                     if batch == 1:
                         row[f"{prefix}{kind}_bandwidth_fraction"] = round(weight.nbytes / seconds / bandwidth, 3)
-                if kind in ("int4", "int8", "int3"):  # the launch shape the autotuner chose
+                if kind.removesuffix("-interleaved") in ("int4", "int8", "int3"):  # the launch shape the autotuner chose
                     tuned = (packed_int._GEMV if batch == 1 else packed_int._GEMM)[0]
                     row[f"{kind}_config"] = str(getattr(tuned, "best_config", ""))
             if semi_structured is not None:

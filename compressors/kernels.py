@@ -55,8 +55,8 @@ def triton_runs_on(device: torch.device) -> bool:
 def _self_check_weights(device: torch.device) -> list[PackedWeight]:
     """Small weights of each decoding path: 4-bit symmetric (the whole-word kernels), 3-bit
     asymmetric in groups of 40 (the general kernels: codes straddle words and groups), 3-bit
-    in groups of 32 and a 3-bit codebook (the whole-unit kernels: 32 codes in 3 words), and
-    2:4 sparse with fp16 values (general) or 4-bit values (whole-word)."""
+    in groups of 32 and a 3-bit codebook (the whole-unit kernels: 32 codes in 3 words), 2:4
+    sparse with fp16 values (general) or 4-bit values (whole-word), and 4-bit interleaved."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from compressors.packed_int import pack_sparse24
@@ -75,6 +75,7 @@ def _self_check_weights(device: torch.device) -> list[PackedWeight]:
     values, bitmask = pack_sparse24(torch.randn(48, 80, generator=generator).half(), keep.reshape(48, 80))
     weights.append(PackedWeight(values, None, 16, 80, bitmask=bitmask))
     weights.append(PackedWeight(codes(4)[:, :5], scale()[:, :1], 4, 80, bitmask=bitmask))
+    weights.append(PackedWeight(codes(4, 64), scale(), 4, 64).interleave())  # the layout CUDA may serve (`serving_layout`)
     return [weight.to(device) for weight in weights]
 
 
@@ -135,6 +136,22 @@ def select_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
     return next((k for k in KERNELS if k.supports(weight) and self_check(k, device)), None)
 
 
+def serve_interleaved() -> bool:
+    """Whether CUDA serving repacks weights into the interleaved layout (`interleave_order`):
+    opt-in with LMPRESS_INTERLEAVE=1 until it is timed against unit order on a GPU
+    (benchmarks/kernel_speed.py --kinds int4,int4-interleaved). Its batch-1 kernel needs no
+    shared memory for x and a 64-bit load per 4 x values, where unit order takes 4 scalar
+    loads (benchmarks/results/kernel_sass.md); faster is not yet shown."""
+    return os.environ.get("LMPRESS_INTERLEAVE") == "1"
+
+
+def serving_layout(weight: PackedWeight, device: torch.device) -> PackedWeight:
+    """The weight as its kernel serves it on `device` (PackedLinear and `lmpress validate`)."""
+    if device.type == "cuda" and serve_interleaved() and not weight.interleaved and weight.can_interleave():
+        return weight.interleave()
+    return weight
+
+
 def serving_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
     """The kernel a PackedLinear runs `weight` with on `device`; None is the dense path (the
     CPU, where the dequantized weight is cached, or a weight no kernel takes)."""
@@ -143,7 +160,9 @@ def serving_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
 
 class PackedLinear(nn.Module):
     """A linear whose weight stays packed: Triton kernel on CUDA, torch reference elsewhere
-    (where the dequantized weight is cached: the CPU has no use for the packed form)."""
+    (where the dequantized weight is cached: the CPU has no use for the packed form). Before
+    its first CUDA call it takes the layout its kernel serves (`serving_layout`), in place:
+    `interleaved` then says its `packed` buffer is in that layout, not the artifact's."""
 
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None):
         super().__init__()
@@ -152,18 +171,22 @@ class PackedLinear(nn.Module):
         for name in ("packed", "scale", "zero", "codebook", "bitmask"):
             self.register_buffer(name, getattr(weight, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.interleaved = weight.interleaved
         self._dense: torch.Tensor | None = None
         self._kernels: dict[torch.device, int | None] = {}  # index in KERNELS, chosen once per device (picklable)
 
     @property
     def weight_packed(self) -> PackedWeight:
-        return PackedWeight(self.packed, self.scale, self.bits, self.in_features, self.zero, self.codebook, self.bitmask)
+        return PackedWeight(self.packed, self.scale, self.bits, self.in_features, self.zero, self.codebook, self.bitmask, self.interleaved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.device not in self._kernels:  # a decode step calls every linear: choose once
             kernel = serving_kernel(self.weight_packed, flat.device)
             self._kernels[flat.device] = None if kernel is None else KERNELS.index(kernel)
+            if kernel is not None:
+                served = serving_layout(self.weight_packed, flat.device)
+                self.packed, self.interleaved = served.packed, served.interleaved
         index = self._kernels[flat.device]
         if index is not None:
             out = KERNELS[index].run(flat, self.weight_packed)

@@ -17,7 +17,7 @@ mismatch), so asymmetric grids go to lmpress's own format (compressors/lmpress_f
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -91,6 +91,25 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     if spill.any():
         value[:, spill] |= words[:, word[spill] + 1] << (32 - offset[spill])
     return ((value & ((1 << bits) - 1)) - (1 << (bits - 1))).to(torch.int8)
+
+
+# The interleaved layout, a repack made at load time for the batch-1 kernel (never written to an
+# artifact): in each tile of 4 consecutive units of whole codes (4-bit: 4 words, 32 columns),
+# code j of unit u holds column 4 j + u of the tile, not unit-order column u * codes + j. A
+# thread holding 4 consecutive units (one 128-bit load of 4-bit words) then needs, for its
+# code j, 4 consecutive x values, one 64-bit load, where unit order scatters them 8 apart (4
+# scalar loads). Marlin repacks its weights at load time for the same reason.
+INTERLEAVE_UNITS = 4
+
+
+def interleave_order(codes: torch.Tensor, per_unit: int, inverse: bool = False) -> torch.Tensor:
+    """Codes [N, K] in column order -> the interleaved layout's order (`inverse`: back), in
+    tiles of INTERLEAVE_UNITS units of `per_unit` codes (K a whole number of tiles)."""
+    rows, columns = codes.shape
+    tiles = (rows, columns // (INTERLEAVE_UNITS * per_unit))
+    if inverse:  # stored [tile, unit, code] -> columns [tile, code, unit]
+        return codes.reshape(*tiles, INTERLEAVE_UNITS, per_unit).transpose(2, 3).reshape(rows, columns)
+    return codes.reshape(*tiles, per_unit, INTERLEAVE_UNITS).transpose(2, 3).reshape(rows, columns)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -238,6 +257,7 @@ class PackedWeight:
     zero: torch.Tensor | None = None  # [N, groups], in code units: w = (q - zero) * scale
     codebook: torch.Tensor | None = None  # [N, 2^bits]
     bitmask: torch.Tensor | None = None  # uint8 [N, ceil(K / 8)]: 2:4 sparse
+    interleaved: bool = False  # codes in the interleaved layout (`interleave_order`), for serving
 
     @property
     def stored_columns(self) -> int:
@@ -261,6 +281,7 @@ class PackedWeight:
         apply = lambda t: None if t is None else fn(t)  # noqa: E731
         return PackedWeight(
             apply(self.packed), apply(self.scale), self.bits, self.columns, apply(self.zero), apply(self.codebook), apply(self.bitmask),
+            self.interleaved,
         )
 
     def to(self, device) -> "PackedWeight":
@@ -274,6 +295,27 @@ class PackedWeight:
         """Bytes stored (and read once by a GEMV)."""
         parts = (self.packed, self.scale, self.zero, self.codebook, self.bitmask)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def codes(self) -> torch.Tensor:
+        """Signed codes [N, stored columns] in column order (not for bits 16)."""
+        codes = unpack_int32(self.packed.cpu(), self.bits, self.stored_columns)
+        return interleave_order(codes, unit_codes(self.bits), inverse=True) if self.interleaved else codes
+
+    def can_interleave(self) -> bool:
+        """Whether the interleaved layout serves this weight: one the whole-unit kernels take,
+        not 2:4, in whole tiles of 4 units, each tile inside one group."""
+        if self.bitmask is not None or not _takes_fast_grid(self):
+            return False
+        tile = INTERLEAVE_UNITS * unit_codes(self.bits)
+        one_group = self.scale is None or self.scale.shape[1] == 1
+        return self.columns % tile == 0 and (one_group or self.group_size % tile == 0)
+
+    def interleave(self) -> "PackedWeight":
+        """This weight in the interleaved layout (`interleave_order`), which only the whole-unit
+        kernels read (`matmul_triton`); `dequantize_reference` and `codes` read both."""
+        require(self.can_interleave() and not self.interleaved, "this weight has no interleaved layout")
+        codes = interleave_order(self.codes(), unit_codes(self.bits))
+        return replace(self, packed=pack_codes(codes, self.bits).to(self.packed.device), interleaved=True)
 
     def _kernel_args(self) -> tuple:
         table = self.codebook if self.codebook is not None else self.scale if self.scale is not None else self.packed
@@ -368,11 +410,10 @@ def random_packed_weight(bits: int, rows: int, columns: int, group: int | None, 
 
 def dequantize_reference(weight: PackedWeight) -> torch.Tensor:
     """Torch reference: fp32 weights [N, K]."""
-    stored = weight.stored_columns
     if weight.bits == 16:
         values = weight.packed.float()
     else:
-        codes = unpack_int32(weight.packed.cpu(), weight.bits, stored).to(weight.packed.device).long()
+        codes = weight.codes().to(weight.packed.device).long()
         if weight.codebook is not None:
             values = torch.gather(weight.codebook.float(), 1, codes + (1 << (weight.bits - 1)))
         else:
@@ -392,6 +433,7 @@ def matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
 
 def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
     check_triton_backend(weight.packed.device)
+    assert not weight.interleaved, "the general kernels read codes in column order"
     out = torch.empty(weight.rows, weight.columns, dtype=dtype, device=weight.packed.device)
     tensors, strides, flags = weight._kernel_args()
     grid = (triton.cdiv(weight.rows, block_n), triton.cdiv(weight.columns, block_k))
@@ -583,13 +625,38 @@ def _sparse24_code(word, keep, d, BITS: tl.constexpr):
 
 
 @triton.jit
+def _code_columns(units, j, CODES: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The column that code j of each unit stands for: u * CODES + j in unit order; in the
+    interleaved layout (`interleave_order`) column 4 j + u % 4 of the unit's tile of 4, runs of
+    4 consecutive columns (told to the compiler, so x loads 4 values at once)."""
+    if INTERLEAVED:
+        columns = tl.max_contiguous(tl.multiple_of(units // 4 * (4 * CODES) + 4 * j + units % 4, 4), 4)
+    else:
+        columns = units * CODES + j
+    return columns
+
+
+@triton.jit
+def _x_at(x_ptr, columns, K, EVEN: tl.constexpr):
+    """x at the given columns as fp32, 0 past K (EVEN: none is, so no mask to split the loads)."""
+    if EVEN:
+        x = tl.load(x_ptr + columns)
+    else:
+        x = tl.load(x_ptr + columns, mask=columns < K, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _group_scales(scale_ptr, zero_ptr, rn, u0, N, stored, stride_sn, stride_zn, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                  UNITS: tl.constexpr, CODES: tl.constexpr):
+                  UNITS: tl.constexpr, CODES: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Per unit [BLOCK_N, UNITS] the scale and the offset (2^(bits-1) + zero point) of the
     group it lies in: value = (code - offset) * scale. GROUP: stored columns a group, 0 for
     one group a row; a constant, so finding the group is a shift, not a division (about 20
-    instructions a unit on sm_90)."""
-    first_column = (u0 + tl.arange(0, UNITS)) * CODES
+    instructions a unit on sm_90). An interleaved unit's tile lies inside one group."""
+    if INTERLEAVED:  # one load per tile of 4 units, spread to its units in registers
+        first_column = (u0 // 4 + tl.arange(0, UNITS // 4)) * (4 * CODES)
+    else:
+        first_column = (u0 + tl.arange(0, UNITS)) * CODES
     inside = (rn[:, None] < N) & (first_column[None, :] < stored)
     if GROUP == 0:
         group = tl.zeros_like(first_column)[None, :]
@@ -599,6 +666,9 @@ def _group_scales(scale_ptr, zero_ptr, rn, u0, N, stored, stride_sn, stride_zn, 
     offset = tl.zeros_like(scale) + (1 << (BITS - 1))
     if HAS_ZERO:
         offset += tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=inside, other=0).to(tl.float32)
+    if INTERLEAVED:
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (scale.shape[0], UNITS // 4, 4)), (scale.shape[0], UNITS))
+        offset = tl.reshape(tl.broadcast_to(offset[:, :, None], (offset.shape[0], UNITS // 4, 4)), (offset.shape[0], UNITS))
     return scale, offset
 
 
@@ -697,12 +767,14 @@ def _centered_dot4(word, x0, x1, x2, x3, x4, x5, x6, x7, PTX: tl.constexpr):
 @triton.jit
 def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_bn,
                       GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
-                      PTX: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr):
+                      PTX: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr,
+                      EVEN: tl.constexpr):
     """Batch 1. Grids: per unit, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
     * scale; 4-bit grids: sum_j (code_j - 8) x[k_j] (`_centered_dot4`; PTX: decoded in half2 on
     a GPU), minus zero * sum_j x[k_j] if asymmetric, times the scale. Codebooks (table_ptr):
     sum_j codebook[code_j] x[k_j]. 2:4 grids: per unit, sum over its dense columns of the kept
-    (code - offset) x[k], times the scale. Program (i, s) covers rows block i over slice s of K.
+    (code - offset) x[k], times the scale. k_j: `_code_columns` (INTERLEAVED: the interleaved
+    layout). Program (i, s) covers rows block i over slice s of K.
     (Loading the next block's words before this block's arithmetic, by hand, since Triton
     pipelines only loads that feed tl.dot, was no faster on an H100: 8.4 -> 8.7 us at 4096x4096.)"""
     SPANS: tl.constexpr = unit_words(BITS)
@@ -716,38 +788,39 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     for u0 in range(start, end, UNITS):
         u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
         first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)
-        rk = (u0 + tl.arange(0, UNITS)) * CODES  # each unit's first column
+        units = u0 + tl.arange(0, UNITS)
         if CODEBOOK:
             for j in tl.static_range(CODES):
-                x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
+                x = _x_at(x_ptr, _code_columns(units, j, CODES, INTERLEAVED), K, EVEN)
                 codes = _unit_code(first, second, third, j, BITS)
                 value = tl.load(table_ptr + rn[:, None] * stride_tn + codes, mask=rn[:, None] < N, other=0.0)
                 acc += value.to(tl.float32) * x[None, :]
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES,
+                                          INTERLEAVED)
             codes_x = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
             if SPARSE24:  # the offset per kept column, since which columns count differs by row
                 keep = _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS, UNITS)
                 for d in tl.static_range(2 * CODES):
-                    x = tl.load(x_ptr + rk * 2 + d, mask=rk * 2 + d < K, other=0.0).to(tl.float32)
+                    x = _x_at(x_ptr, units * (2 * CODES) + d, K, EVEN)
                     code, kept = _sparse24_code(first, keep, d, BITS)
                     codes_x += tl.where(kept, _exact_codes(code, False) - offset, 0.0) * x[None, :]
             elif BITS == 4:
-                x0 = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-                x1 = tl.load(x_ptr + rk + 1, mask=rk + 1 < K, other=0.0).to(tl.float32)
-                x2 = tl.load(x_ptr + rk + 2, mask=rk + 2 < K, other=0.0).to(tl.float32)
-                x3 = tl.load(x_ptr + rk + 3, mask=rk + 3 < K, other=0.0).to(tl.float32)
-                x4 = tl.load(x_ptr + rk + 4, mask=rk + 4 < K, other=0.0).to(tl.float32)
-                x5 = tl.load(x_ptr + rk + 5, mask=rk + 5 < K, other=0.0).to(tl.float32)
-                x6 = tl.load(x_ptr + rk + 6, mask=rk + 6 < K, other=0.0).to(tl.float32)
-                x7 = tl.load(x_ptr + rk + 7, mask=rk + 7 < K, other=0.0).to(tl.float32)
+                x0 = _x_at(x_ptr, _code_columns(units, 0, CODES, INTERLEAVED), K, EVEN)
+                x1 = _x_at(x_ptr, _code_columns(units, 1, CODES, INTERLEAVED), K, EVEN)
+                x2 = _x_at(x_ptr, _code_columns(units, 2, CODES, INTERLEAVED), K, EVEN)
+                x3 = _x_at(x_ptr, _code_columns(units, 3, CODES, INTERLEAVED), K, EVEN)
+                x4 = _x_at(x_ptr, _code_columns(units, 4, CODES, INTERLEAVED), K, EVEN)
+                x5 = _x_at(x_ptr, _code_columns(units, 5, CODES, INTERLEAVED), K, EVEN)
+                x6 = _x_at(x_ptr, _code_columns(units, 6, CODES, INTERLEAVED), K, EVEN)
+                x7 = _x_at(x_ptr, _code_columns(units, 7, CODES, INTERLEAVED), K, EVEN)
                 codes_x = _centered_dot4(first, x0, x1, x2, x3, x4, x5, x6, x7, PTX)
                 if HAS_ZERO:  # offset = 8 + zero point: the 8 is in the dot
                     codes_x -= (offset - 8.0) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
             else:
                 x_sum = tl.zeros((UNITS,), dtype=tl.float32)
                 for j in tl.static_range(CODES):
-                    x = tl.load(x_ptr + rk + j, mask=rk + j < K, other=0.0).to(tl.float32)
+                    x = _x_at(x_ptr, _code_columns(units, j, CODES, INTERLEAVED), K, EVEN)
                     codes_x += _exact_codes(_unit_code(first, second, third, j, BITS), False) * x[None, :]
                     x_sum += x
                 codes_x -= offset * x_sum[None, :]
@@ -758,7 +831,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
 @triton.jit
 def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_bn,
                       stride_ym, M_BUCKET, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
+                      INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, UNITS * COLUMNS] (codes
     spread to column order; 2:4: to the dense columns, zeros included) being the tensor cores'
     first operand, which on Hopper may stay in registers. Measured on an H100 against splitting
@@ -787,7 +860,8 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
             if x_ptr.dtype.element_ty != tl.float16:
                 w = w.to(tl.float32)
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES,
+                                          INTERLEAVED)
             if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly: (q - offset) is exact there, and
                 # the fp16 product rounds once, as the fp32 product cast to fp16 did, so the tile is the same
                 w = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
@@ -795,6 +869,8 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                 w = (_exact_codes(codes, False) - offset[:, :, None]) * scale[:, :, None]
             if SPARSE24:
                 w = tl.where(kept, w, 0.0)
+        if INTERLEAVED:  # [row, tile, unit, code] -> [row, tile, code, unit]: column order
+            w = tl.permute(tl.reshape(w, (BLOCK_N, UNITS // 4, 4, CODES)), (0, 1, 3, 2))
         w = tl.reshape(w, (BLOCK_N, UNITS * COLUMNS))
         rk = u0 * COLUMNS + tl.arange(0, UNITS * COLUMNS)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
@@ -806,12 +882,13 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
 # first of each list is what the interpreter runs; tests run every one of them there. The GEMV's:
 # small row blocks over long runs of words; on an H100 the tuner picked BLOCK_N 8 for every kind,
 # and 8 x 128 words was the fastest int4 shape at all three layer shapes timed
-# (benchmarks/results/gemv_int4_h100.md).
+# (benchmarks/results/gemv_int4_h100.md). In the interleaved layout, shapes whose warps all
+# lie along K (2 x 512, 4 x 512) need no shared memory for x (results/gemv_layouts_sass.md).
 GEMV_CONFIGS = [
     _split_k({"BLOCK_N": n, "WORDS": w, "SPLIT_K": split}, num_warps=warps, num_stages=3)
     for n, w, split, warps in [
         (16, 64, 1, 4), (8, 128, 1, 4), (4, 256, 1, 4), (8, 256, 1, 8), (4, 128, 1, 4), (8, 64, 1, 4), (2, 512, 1, 4), (16, 128, 1, 4),
-        (32, 64, 1, 4), (8, 128, 2, 4), (4, 256, 2, 4), (8, 64, 4, 4), (16, 64, 2, 4), (4, 128, 4, 4),
+        (32, 64, 1, 4), (4, 512, 1, 4), (8, 128, 2, 4), (4, 256, 2, 4), (8, 64, 4, 4), (16, 64, 2, 4), (4, 128, 4, 4),
     ]
 ]
 GEMM_CONFIGS = [
@@ -833,8 +910,8 @@ def _whole_blocks(args: dict) -> bool:
 
 
 _grid_gemv = triton.heuristics({"EVEN": _whole_blocks})(_grid_gemv_kernel)
-_GEMV = _tuned(_grid_gemv, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX"])
-_GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24"])
+_GEMV = _tuned(_grid_gemv, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED"])
+_GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "INTERLEAVED"])
 
 
 def _takes_fast_grid(weight: PackedWeight) -> bool:
@@ -854,7 +931,8 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     M, K = x.shape
     tensors, strides, flags = weight._kernel_args()
     one_group = weight.scale is None or weight.scale.shape[1] == 1  # codebooks have none
-    flags = {key: value for key, value in flags.items() if key != "group_size"} | {"GROUP": 0 if one_group else weight.group_size}
+    flags = {key: value for key, value in flags.items() if key != "group_size"} | {"GROUP": 0 if one_group else weight.group_size,
+                                                                                   "INTERLEAVED": weight.interleaved}
     if config is None:
         kernel, settings = _GEMV if M == 1 else _GEMM
     else:
@@ -880,6 +958,7 @@ def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, bloc
     y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)
     if _takes_fast_grid(weight):
         return _grid_matmul(x, weight, y)
+    assert not weight.interleaved, "the general kernels read codes in column order"
     tensors, strides, flags = weight._kernel_args()
     if M == 1:
         _gemv_kernel[(triton.cdiv(weight.rows, block_n),)](

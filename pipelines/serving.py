@@ -139,7 +139,7 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     without one the kernels run in Triton's interpreter on one linear of each distinct shape
     (the interpreter executes every program in Python), and no speed is claimed."""
     gpu = torch.cuda.is_available()
-    from compressors.kernels import KERNELS, self_check, weight_seconds
+    from compressors.kernels import KERNELS, self_check, serving_layout, weight_seconds
 
     folder = Path(folder)
     device = torch.device("cuda" if gpu else "cpu")
@@ -159,10 +159,11 @@ def validate(folder: Path, out: Path | None = None) -> dict:
             continue
         require(self_check(kernel, device), f"kernel {kernel.name} failed its self-check on {device}; do not serve with it")
         used.add(kernel)
-        weight = weight.to(device)
+        weight = serving_layout(weight.to(device), device)
         entry = {
             "kernel": kernel.name, "shape": [weight.rows, weight.columns], "bits": weight.bits,
-            "decode": weight.kind + (f", group {weight.group_size} stored values" if weight.scale is not None else ""),
+            "decode": weight.kind + (f", group {weight.group_size} stored values" if weight.scale is not None else "")
+            + (", interleaved" if weight.interleaved else ""),
             "max_abs_error": {}, "max_rel_error": {},
         }
         dense = kernel.reference(torch.eye(weight.columns, device=device, dtype=dtype), weight).T.contiguous() if gpu else None

@@ -197,7 +197,8 @@ def test_every_tuned_launch_shape_matches_reference(batch, config, dtype):
     weights = [packed(4, 37, 1344, 32, "asymmetric"), packed(8, 20, 200, None), packed(2, 9, 512, 64), packed(4, 11, 416, None, "codebook"),
                packed(3, 13, 1312, 32, "asymmetric"), packed(3, 7, 100, None, "codebook"),  # 3 bits: 41 units; a last unit of 4 codes
                packed(4, 19, 1280, 64, "2:4 asymmetric"), packed(8, 5, 200, None, "2:4 symmetric"), packed(2, 9, 192, 64, "2:4 symmetric"),  # 2:4: 80, 25, 6 words
-               packed(4, 21, 4096, 128), packed(4, 3, 2304, None)]  # 4-bit symmetric: whole blocks (unmasked words), per-channel
+               packed(4, 21, 4096, 128), packed(4, 3, 2304, None),  # 4-bit symmetric: whole blocks (unmasked words), per-channel
+               packed(4, 21, 4096, 128).interleave(), packed(3, 13, 1280, 128, "asymmetric").interleave()]  # the interleaved layout
     from triton.runtime.errors import OutOfResources
 
     checked = 0
@@ -211,6 +212,60 @@ def test_every_tuned_launch_shape_matches_reference(batch, config, dtype):
         assert_matches_reference(got, x, weight, (config, weight.kind, weight.bits))
         checked += 1
     assert checked, f"{config}: no weight fits this launch shape, so nothing was checked"
+
+
+INTERLEAVABLE = [  # bits, N, K, group, decode: whole tiles of 4 units (4 bits: 32 columns; 3 bits: 128), each inside a group
+    (4, 9, 256, 128, "symmetric"), (4, 5, 128, 32, "asymmetric"), (4, 3, 96, None, "symmetric"), (8, 7, 64, 32, "asymmetric"),
+    (2, 6, 128, 64, "symmetric"), (3, 5, 256, 128, "symmetric"), (3, 4, 128, None, "codebook"), (2, 3, 192, None, "codebook"),
+]
+
+
+@pytest.mark.parametrize("bits,rows,columns,group,kind", INTERLEAVABLE)
+@pytest.mark.parametrize("batch,dtype", [(1, torch.float32), (1, torch.float16), (5, torch.float32), (5, torch.float16)])
+def test_interleaved_layout_decodes_and_serves_the_same_weight(bits, rows, columns, group, kind, batch, dtype):
+    """The load-time repack moves codes, not values: the same codes and weights, and the
+    whole-unit kernels read it (GEMV and GEMM) to the reference's result."""
+    weight = packed(bits, rows, columns, group, kind)
+    interleaved = weight.interleave()
+    assert interleaved.interleaved and not torch.equal(interleaved.packed, weight.packed)
+    assert torch.equal(interleaved.codes(), weight.codes())
+    assert torch.equal(dequantize_reference(interleaved), dequantize_reference(weight))
+    x = torch.randn(batch, columns, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    assert_matches_reference(matmul_triton(x, interleaved), x, weight)
+
+
+def test_interleaving_applies_only_where_a_tile_fits(tmp_path):
+    """A tile of 4 units must be whole and inside one group; 2:4 weights keep unit order. The
+    layout survives a spill to disk; repacking twice is refused."""
+    from compressors.packed_int import read_spilled, spill_to_disk
+    from pipelines.errors import LmpressError
+
+    assert packed(4, 8, 128, 32).can_interleave() and packed(3, 8, 256, 128).can_interleave()
+    assert not packed(4, 8, 80, None).can_interleave()  # 80 columns: 2.5 tiles
+    assert not packed(3, 8, 256, 64).can_interleave()  # a 3-bit tile is 128 columns, two groups of 64
+    assert not packed(4, 8, 64, 32, "2:4 symmetric").can_interleave() and not packed(4, 8, 200, 100).can_interleave()
+    weight = packed(4, 8, 128, 32, "asymmetric").interleave()
+    with pytest.raises(LmpressError, match="no interleaved layout"):
+        weight.interleave()
+    spill_to_disk({"w": weight.to("cpu")}, tmp_path / "spill.safetensors")
+    back = read_spilled(tmp_path / "spill.safetensors")["w"]
+    assert back.interleaved and torch.equal(dequantize_reference(back), dequantize_reference(weight.to("cpu")))
+
+
+def test_serving_layout_is_opt_in_and_for_cuda_only(monkeypatch):
+    """Unit order serves unless LMPRESS_INTERLEAVE=1 asks for the interleaved layout, which
+    only the CUDA kernels read (the CPU serves a dense copy)."""
+    from compressors.kernels import serving_layout
+
+    weight = random_packed(4, 8, 128, 32)
+    monkeypatch.delenv("LMPRESS_INTERLEAVE", raising=False)
+    assert serving_layout(weight, torch.device("cuda")) is weight
+    monkeypatch.setenv("LMPRESS_INTERLEAVE", "1")
+    assert serving_layout(weight, torch.device("cpu")) is weight
+    served = serving_layout(weight, torch.device("cuda"))
+    assert served.interleaved and torch.equal(dequantize_reference(served), dequantize_reference(weight))
+    sparse = random_packed(4, 8, 64, 32, "2:4 symmetric")
+    assert serving_layout(sparse, torch.device("cuda")) is sparse
 
 
 def test_whole_blocks_drop_the_k_mask_only_where_every_block_is_whole():
