@@ -458,7 +458,9 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 # tables with one load per code: 2^bits values a row stay in L1. (tl.gather from tables held
 # in registers compiles to about 8 warp shuffles per code on sm_90, per
 # benchmarks/kernel_sass.py.) On a GPU Triton's autotuner picks the launch shape per layer
-# shape; the interpreter takes the first.
+# shape; the interpreter takes the first. Grids and codebooks (not 2:4) may also be served in
+# the interleaved layout (`interleave_order`, INTERLEAVED): only which column a code stands for
+# changes (`_code_columns`), and the GEMM puts its decoded tile back in column order.
 
 
 def _tuned(kernel, configs: list, key: list[str]):
@@ -627,8 +629,9 @@ def _sparse24_code(word, keep, d, BITS: tl.constexpr):
 @triton.jit
 def _code_columns(units, j, CODES: tl.constexpr, INTERLEAVED: tl.constexpr):
     """The column that code j of each unit stands for: u * CODES + j in unit order; in the
-    interleaved layout (`interleave_order`) column 4 j + u % 4 of the unit's tile of 4, runs of
-    4 consecutive columns (told to the compiler, so x loads 4 values at once)."""
+    interleaved layout (`interleave_order`; 4 = INTERLEAVE_UNITS) column 4 j + u % 4 of the
+    unit's tile of 4, runs of 4 consecutive columns (told to the compiler, so x loads 4 values
+    at once)."""
     if INTERLEAVED:
         columns = tl.max_contiguous(tl.multiple_of(units // 4 * (4 * CODES) + 4 * j + units % 4, 4), 4)
     else:
