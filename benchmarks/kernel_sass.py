@@ -4,6 +4,7 @@ the compiler made of them: machine instructions (SASS) counted by opcode.
     python benchmarks/kernel_sass.py [--baseline OLD_packed_int.py]   # counts -> results/kernel_sass.{json,md}
     python benchmarks/kernel_sass.py --check                          # every kernel path compiles, or exit 1
     python benchmarks/kernel_sass.py --gemv-layouts                   # the int4 GEMV's loop per launch shape and layout
+    python benchmarks/kernel_sass.py --gemm-layouts                   # the same for the GEMM
 
 Triton ships ptxas and cuobjdump, so lowering to Hopper machine code needs no GPU. This
 catches what the interpreter cannot (it runs the Python, not the compiler: a kernel can pass
@@ -154,31 +155,38 @@ def compiles(module, name: str, constexprs: dict, activations: str) -> dict:
     return opcodes(sass(kernel, taken, activations))
 
 
-def gemv_layouts(out: Path) -> None:
-    """The served int4 GEMV (PTX decode, whole blocks, group 128, aligned as on 4096-wide layers)
-    at each launch shape the autotuner may pick, in unit order and interleaved: its loop's
-    memory instructions, the shared-memory round trips by which Triton moves x into the words'
-    layout included, and its registers. Static counts: speed is measured on a GPU."""
+def layouts(kernel: str, out: Path) -> None:
+    """The served int4 GEMV or GEMM (`kernel`; group 128, fp16 x; the GEMV with its PTX decode
+    and whole blocks), compiled aligned as on 4096-wide layers, at each launch shape the
+    autotuner may pick, in unit order and interleaved: the K loop's instructions, its memory
+    instructions by width (shared-memory round trips and barriers included) and registers.
+    Static counts: speed is measured on a GPU."""
+    gemv, compiled = kernel == "gemv", getattr(packed_int, f"_grid_{kernel}_kernel")
     rows = []
-    for config in packed_int.GEMV_CONFIGS:
+    for config in packed_int.GEMV_CONFIGS if gemv else packed_int.GEMM_CONFIGS:
         launch = config.kwargs
         for interleaved in (False, True):
-            constexprs = dict(GRID, PTX=True, EVEN=True, INTERLEAVED=interleaved, **{k: launch[k] for k in ("BLOCK_N", "WORDS", "SPLIT_K")})
-            code = sass(packed_int._grid_gemv_kernel, constexprs, num_warps=config.num_warps, num_stages=config.num_stages, aligned=True, usage=True)
+            constexprs = dict(GRID, INTERLEAVED=interleaved, PTX=True, EVEN=True, **launch)  # (the GEMM takes neither PTX nor EVEN)
+            code = sass(compiled, {key: value for key, value in constexprs.items() if key in compiled.arg_names},
+                        num_warps=config.num_warps, num_stages=config.num_stages, aligned=True, usage=True)
             body = collections.Counter(loop_body(code))
-            memory = {op: body[op] for op in sorted(body) if op.split(".")[0] in ("LDG", "STS", "STSM", "LDS", "BAR")}
-            rows.append({"launch": f"{launch['BLOCK_N']} x {launch['WORDS']}, split {launch['SPLIT_K']}, {config.num_warps} warps",
-                         "layout": "interleaved" if interleaved else "unit order", "registers": int(re.search(r"REG:(\d+)", code).group(1)),
+            memory = {op: body[op] for op in sorted(body) if op.split(".")[0] in ("LDG", "LDGSTS", "STS", "STSM", "LDS", "LDSM", "BAR")}
+            shape = " x ".join(str(launch[key]) for key in ("BLOCK_M", "BLOCK_N", "WORDS") if key in launch)
+            rows.append({"launch": f"{shape}, split {launch['SPLIT_K']}, {config.num_warps} warps", "layout": "interleaved" if interleaved else "unit order",
+                         "registers": int(re.search(r"REG:(\d+)", code).group(1)),
                          "words_per_thread": launch["BLOCK_N"] * launch["WORDS"] // (32 * config.num_warps),
                          "loop_instructions": sum(body.values()), "loop_memory": memory})
             print(json.dumps(rows[-1]), flush=True)
-    report = {"target": "sm_90 (H100), fp16 x, int4 symmetric group 128, PTX decode, whole blocks", "triton": triton.__version__, "rows": rows}
+    what = "GEMV (PTX decode, whole blocks)" if gemv else "GEMM"
+    report = {"target": f"sm_90 (H100), fp16 x, int4 symmetric group 128, {what}", "triton": triton.__version__, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = [f"The int4 GEMV's loop over K as compiled for {report['target']}, Triton {report['triton']} "
-             "(`python benchmarks/kernel_sass.py --gemv-layouts`): instructions in the loop body, its memory instructions by width, "
-             "and registers. STS/STSM, LDS and BAR are x moved through shared memory into the words' layout. Static counts, not timings.", "",
-             "| launch shape | layout | registers | words a thread loads per iteration | loop instructions | memory instructions in the loop |",
+    shape = "rows x words" if gemv else "batch rows x rows x words"
+    lines = [f"The int4 {kernel.upper()}'s loop over K as compiled for {report['target']}, Triton {report['triton']} "
+             f"(`python benchmarks/kernel_sass.py --{kernel}-layouts`): instructions in the loop body, its memory instructions by width, "
+             "and registers. STS/STSM, LDS/LDSM and BAR are shared-memory traffic"
+             + (" (x moved into the words' layout)" if gemv else " (tiles on their way to the tensor cores)") + ". Static counts, not timings.", "",
+             f"| launch shape ({shape}) | layout | registers | words a thread loads per iteration | loop instructions | memory instructions in the loop |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['launch']} | {r['layout']} | {r['registers']} | {r['words_per_thread']} | {r['loop_instructions']} | "
               + ", ".join(f"{op} {n}" for op, n in r["loop_memory"].items()) + " |" for r in rows]
@@ -191,11 +199,13 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="compile every case for fp16 and bf16 activations; exit 1 on a failure")
     parser.add_argument("--baseline", type=Path, help="an earlier compressors/packed_int.py to count side by side")
     parser.add_argument("--gemv-layouts", action="store_true", help="the int4 GEMV's loop at each launch shape, unit order and interleaved")
+    parser.add_argument("--gemm-layouts", action="store_true", help="the same for the int4 GEMM")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_sass")
     args = parser.parse_args()
 
-    if args.gemv_layouts:
-        return gemv_layouts(args.out.with_name("gemv_layouts_sass"))
+    if args.gemv_layouts or args.gemm_layouts:
+        kernel = "gemv" if args.gemv_layouts else "gemm"
+        return layouts(kernel, args.out.with_name(f"{kernel}_layouts_sass"))
     if args.check:
         failed = []
         for title, name, constexprs in CASES:
