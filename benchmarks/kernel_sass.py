@@ -46,8 +46,8 @@ def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, nu
          aligned: bool = False, usage: bool = False) -> str:
     """The kernel's machine code for compute capability `arch`, given its constexpr arguments.
     aligned: every pointer and integer argument divisible by 16, as Triton specializes a launch
-    on 4096-wide layers (so loads may be vectorized as they are in serving). usage: the
-    resource usage (registers) too."""
+    on 4096-wide layers (for the GEMM, also a batch that is a multiple of 16), so loads may be
+    vectorized as they are in serving. usage: the resource usage (registers) too."""
     signature, attrs = {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         if param.is_constexpr:

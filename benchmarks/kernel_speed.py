@@ -85,12 +85,18 @@ def main() -> None:
     versions = {"": matmul_triton}  # column prefix -> the kernels' entry point
     if args.baseline is not None:
         versions["baseline_"] = load_kernels(args.baseline).matmul_triton
+
+    def timed(kind: str, weight: PackedWeight) -> dict:
+        """The versions to run on this weight: a baseline's kernels read unit order only, and
+        --baseline-kinds may limit them."""
+        baseline = not weight.interleaved and (not args.baseline_kinds or kind in args.baseline_kinds.split(","))
+        return {prefix: matmul for prefix, matmul in versions.items() if baseline or not prefix}
     if args.smoke:
         for kind in kinds:
             weight = random_packed(kind, 64, 256, "cpu")
             for batch in (1, 3):
                 x = torch.randn(batch, 256)
-                for prefix, matmul in versions.items():
+                for prefix, matmul in timed(kind, weight).items():
                     error = (matmul(x, weight) - matmul_reference(x, weight)).abs().max().item()
                     print(f"{prefix}{kind} batch {batch}: max abs error {error:.2e}")
                     assert error < 1e-4
@@ -126,9 +132,7 @@ def main() -> None:
             if batch == 1:
                 row["fp16_bandwidth_fraction"] = round(2 * n * k / fp16 / bandwidth, 3)
             for kind, weight in weights.items():
-                for prefix, matmul in versions.items():
-                    if prefix and (weight.interleaved or args.baseline_kinds and kind not in args.baseline_kinds.split(",")):
-                        continue  # (a baseline's kernels read unit order only)
+                for prefix, matmul in timed(kind, weight).items():
                     error = (matmul(x, weight).float() - matmul_reference(x, weight).float()).abs().max().item()
                     seconds = weight_seconds(lambda w: matmul(x, w), weight)
                     row[f"{prefix}{kind}_us"], row[f"{prefix}{kind}_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)

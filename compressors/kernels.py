@@ -56,7 +56,8 @@ def _self_check_weights(device: torch.device) -> list[PackedWeight]:
     """Small weights of each decoding path: 4-bit symmetric (the whole-word kernels), 3-bit
     asymmetric in groups of 40 (the general kernels: codes straddle words and groups), 3-bit
     in groups of 32 and a 3-bit codebook (the whole-unit kernels: 32 codes in 3 words), 2:4
-    sparse with fp16 values (general) or 4-bit values (whole-word), and 4-bit interleaved."""
+    sparse with fp16 values (general) or 4-bit values (whole-word), and with
+    LMPRESS_INTERLEAVE=1 4-bit interleaved."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from compressors.packed_int import pack_sparse24
@@ -75,12 +76,13 @@ def _self_check_weights(device: torch.device) -> list[PackedWeight]:
     values, bitmask = pack_sparse24(torch.randn(48, 80, generator=generator).half(), keep.reshape(48, 80))
     weights.append(PackedWeight(values, None, 16, 80, bitmask=bitmask))
     weights.append(PackedWeight(codes(4)[:, :5], scale()[:, :1], 4, 80, bitmask=bitmask))
-    weights.append(PackedWeight(codes(4, 64), scale(), 4, 64).interleave())  # the layout CUDA may serve (`serving_layout`)
+    if serve_interleaved():  # checked only where asked for, so that an opt-in path cannot take the kernel from unit order
+        weights.append(PackedWeight(codes(4, 64), scale(), 4, 64).interleave())
     return [weight.to(device) for weight in weights]
 
 
 def self_check(kernel: Kernel, device: torch.device) -> bool:
-    key = (kernel.name, str(device))
+    key = (kernel.name, str(device), serve_interleaved())
     if key not in _self_checked:
         generator = torch.Generator().manual_seed(1)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -139,9 +141,11 @@ def select_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
 def serve_interleaved() -> bool:
     """Whether CUDA serving repacks weights into the interleaved layout (`interleave_order`):
     opt-in with LMPRESS_INTERLEAVE=1 until it is timed against unit order on a GPU
-    (benchmarks/kernel_speed.py --kinds int4,int4-interleaved). Its batch-1 kernel needs no
-    shared memory for x and a 64-bit load per 4 x values, where unit order takes 4 scalar
-    loads (benchmarks/results/kernel_sass.md); faster is not yet shown."""
+    (benchmarks/kernel_speed.py --kinds int4,int4-interleaved). At launch shapes whose warps
+    all lie along K its batch-1 kernel loads 4 x values in one 64-bit load, with no shared
+    memory, where unit order takes 4 scalar loads, and its loops are shorter at every launch
+    shape (benchmarks/results/gemv_layouts_sass.md, gemm_layouts_sass.md); faster is not yet
+    shown."""
     return os.environ.get("LMPRESS_INTERLEAVE") == "1"
 
 
@@ -160,9 +164,10 @@ def serving_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
 
 class PackedLinear(nn.Module):
     """A linear whose weight stays packed: Triton kernel on CUDA, torch reference elsewhere
-    (where the dequantized weight is cached: the CPU has no use for the packed form). Before
-    its first CUDA call it takes the layout its kernel serves (`serving_layout`), in place:
-    `interleaved` then says its `packed` buffer is in that layout, not the artifact's."""
+    (where the dequantized weight is cached: the CPU has no use for the packed form). At its
+    first CUDA call (a repack synchronizes: not inside graph capture) it takes the layout its
+    kernel serves (`serving_layout`), in place: `interleaved` then says its `packed` buffer is
+    in that layout. Its state dict is always the artifact's layout, saved and loaded."""
 
     def __init__(self, weight: PackedWeight, bias: torch.Tensor | None):
         super().__init__()
@@ -178,6 +183,15 @@ class PackedLinear(nn.Module):
     @property
     def weight_packed(self) -> PackedWeight:
         return PackedWeight(self.packed, self.scale, self.bits, self.in_features, self.zero, self.codebook, self.bitmask, self.interleaved)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.interleaved:
+            destination[prefix + "packed"] = self.weight_packed.unit_order().packed
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.interleaved, self._dense, self._kernels = False, None, {}  # the artifact's layout: choose kernel and layout again
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -73,7 +73,7 @@ def save_lmpress_packed(model: nn.Module, packed: dict[str, PackedWeight], folde
     state = dict(model.state_dict())
     modules = {}
     for name, weight in packed.items():
-        state[f"{name}.weight"] = weight.packed
+        state[f"{name}.weight"] = weight.unit_order().packed
         state[f"{name}.weight_shape"] = torch.tensor([weight.rows, weight.columns])
         for suffix, tensor in (("scale", weight.scale), ("zero_point", weight.zero), ("codebook", weight.codebook), ("bitmask", weight.bitmask)):
             if tensor is not None:

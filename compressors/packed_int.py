@@ -71,7 +71,7 @@ def save_pack_quantized(model: nn.Module, packed: dict[str, "PackedWeight"], gri
     )
     state = {key: value for key, value in model.state_dict().items() if key.removesuffix(".weight") not in packed}
     for name, weight in packed.items():
-        state[f"{name}.weight_packed"] = weight.packed
+        state[f"{name}.weight_packed"] = weight.unit_order().packed
         state[f"{name}.weight_scale"] = weight.scale
         state[f"{name}.weight_shape"] = torch.tensor([weight.rows, weight.columns])
     apply_quantization_config(model, config)
@@ -314,8 +314,14 @@ class PackedWeight:
         """This weight in the interleaved layout (`interleave_order`), which only the whole-unit
         kernels read (`matmul_triton`); `dequantize_reference` and `codes` read both."""
         require(self.can_interleave() and not self.interleaved, "this weight has no interleaved layout")
-        codes = interleave_order(self.codes(), unit_codes(self.bits))
-        return replace(self, packed=pack_codes(codes, self.bits).to(self.packed.device), interleaved=True)
+        return self._with_codes(interleave_order(self.codes(), unit_codes(self.bits)), interleaved=True)
+
+    def unit_order(self) -> "PackedWeight":
+        """This weight in the artifact's layout (itself unless interleaved): what writers store."""
+        return self._with_codes(self.codes(), interleaved=False) if self.interleaved else self
+
+    def _with_codes(self, codes: torch.Tensor, interleaved: bool) -> "PackedWeight":
+        return replace(self, packed=pack_codes(codes, self.bits).to(self.packed.device), interleaved=interleaved)
 
     def _kernel_args(self) -> tuple:
         table = self.codebook if self.codebook is not None else self.scale if self.scale is not None else self.packed

@@ -11,7 +11,7 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressors.kernels import KERNELS, PackedLinear, select_kernel, self_check
 from compressors.packed_int import PackedWeight, dequantize_reference, pack_sparse24, unpack_bitmask, dequantize_triton, matmul_reference, matmul_triton
 from compressors.packed_int import random_packed_weight as random_packed
-from conftest import run_cli
+from conftest import run_cli, tiny_model
 
 # The interpreter here; with TRITON_INTERPRET=0 on a CUDA machine the same tests run the
 # compiled kernels (benchmarks/gpu_check.sh).
@@ -266,6 +266,35 @@ def test_serving_layout_is_opt_in_and_for_cuda_only(monkeypatch):
     assert served.interleaved and torch.equal(dequantize_reference(served), dequantize_reference(weight))
     sparse = random_packed(4, 8, 64, 32, "2:4 symmetric")
     assert serving_layout(sparse, torch.device("cuda")) is sparse
+
+
+def test_a_repacked_linear_saves_and_loads_the_artifacts_layout():
+    """A PackedLinear repacked for serving still has the artifact's layout as its state, and
+    loading state returns it to that layout (the next CUDA call repacks again)."""
+    weight = random_packed(4, 8, 128, 32)
+    repacked = PackedLinear(weight.interleave(), None)
+    state = repacked.state_dict()
+    assert torch.equal(state["packed"], weight.packed) and repacked.interleaved
+    fresh = PackedLinear(weight, None)
+    fresh.load_state_dict(state)
+    repacked.load_state_dict(PackedLinear(weight, None).state_dict())
+    x = torch.randn(3, 128)
+    for module in (fresh, repacked):
+        assert not module.interleaved and torch.allclose(module(x), matmul_reference(x, weight), atol=1e-5)
+
+
+def test_writers_store_the_artifacts_layout(tmp_path):
+    """An interleaved weight handed to a writer is stored in unit order, the layout loaders read."""
+    from compressors.lmpress_format import save_lmpress_packed
+    from compressors.packed_int import save_pack_quantized
+    from compressors.grid import GridSpec
+    from pipelines.serving import packed_weights
+
+    name, weight = "model.layers.0.self_attn.q_proj", random_packed(4, 64, 64, 32)
+    save_lmpress_packed(tiny_model("llama"), {name: weight.interleave()}, tmp_path / "lmpress")
+    save_pack_quantized(tiny_model("llama"), {name: weight.interleave()}, {name: GridSpec(bits=4, group_size=32)}, tmp_path / "ct")
+    for folder in ("lmpress", "ct"):
+        assert torch.equal(packed_weights(tmp_path / folder)[name].packed, weight.packed), folder
 
 
 def test_whole_blocks_drop_the_k_mask_only_where_every_block_is_whole():
