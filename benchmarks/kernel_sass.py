@@ -171,8 +171,8 @@ def layouts(kernel: str, out: Path) -> None:
                         num_warps=config.num_warps, num_stages=config.num_stages, aligned=True, usage=True)
             body = collections.Counter(loop_body(code))
             memory = {op: body[op] for op in sorted(body) if op.split(".")[0] in ("LDG", "LDGSTS", "STS", "STSM", "LDS", "LDSM", "BAR")}
-            shape = " x ".join(str(launch[key]) for key in ("BLOCK_M", "BLOCK_N", "WORDS") if key in launch)
-            rows.append({"launch": f"{shape}, split {launch['SPLIT_K']}, {config.num_warps} warps", "layout": "interleaved" if interleaved else "unit order",
+            block = " x ".join(str(launch[key]) for key in ("BLOCK_M", "BLOCK_N", "WORDS") if key in launch)
+            rows.append({"launch": f"{block}, split {launch['SPLIT_K']}, {config.num_warps} warps", "layout": "interleaved" if interleaved else "unit order",
                          "registers": int(re.search(r"REG:(\d+)", code).group(1)),
                          "words_per_thread": launch["BLOCK_N"] * launch["WORDS"] // (32 * config.num_warps),
                          "loop_instructions": sum(body.values()), "loop_memory": memory})
@@ -181,12 +181,12 @@ def layouts(kernel: str, out: Path) -> None:
     report = {"target": f"sm_90 (H100), fp16 x, int4 symmetric group 128, {what}", "triton": triton.__version__, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    shape = "rows x words" if gemv else "batch rows x rows x words"
+    axes = "rows x words" if gemv else "batch rows x rows x words"
     lines = [f"The int4 {kernel.upper()}'s loop over K as compiled for {report['target']}, Triton {report['triton']} "
              f"(`python benchmarks/kernel_sass.py --{kernel}-layouts`): instructions in the loop body, its memory instructions by width, "
              "and registers. STS/STSM, LDS/LDSM and BAR are shared-memory traffic"
              + (" (x moved into the words' layout)" if gemv else " (tiles on their way to the tensor cores)") + ". Static counts, not timings.", "",
-             f"| launch shape ({shape}) | layout | registers | words a thread loads per iteration | loop instructions | memory instructions in the loop |",
+             f"| launch shape ({axes}) | layout | registers | words a thread loads per iteration | loop instructions | memory instructions in the loop |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['launch']} | {r['layout']} | {r['registers']} | {r['words_per_thread']} | {r['loop_instructions']} | "
               + ", ".join(f"{op} {n}" for op, n in r["loop_memory"].items()) + " |" for r in rows]

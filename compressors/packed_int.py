@@ -676,9 +676,16 @@ def _group_scales(scale_ptr, zero_ptr, rn, u0, N, stored, stride_sn, stride_zn, 
     if HAS_ZERO:
         offset += tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=inside, other=0).to(tl.float32)
     if INTERLEAVED:
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (scale.shape[0], UNITS // 4, 4)), (scale.shape[0], UNITS))
-        offset = tl.reshape(tl.broadcast_to(offset[:, :, None], (offset.shape[0], UNITS // 4, 4)), (offset.shape[0], UNITS))
+        scale, offset = _tiles_to_units(scale), _tiles_to_units(offset)
     return scale, offset
+
+
+@triton.jit
+def _tiles_to_units(values):
+    """Per tile [BLOCK_N, TILES] -> per unit [BLOCK_N, 4 TILES]: each tile's value for its 4 units."""
+    rows: tl.constexpr = values.shape[0]
+    tiles: tl.constexpr = values.shape[1]
+    return tl.reshape(tl.broadcast_to(values[:, :, None], (rows, tiles, 4)), (rows, 4 * tiles))
 
 
 @triton.jit
