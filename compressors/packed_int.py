@@ -82,13 +82,16 @@ def save_pack_quantized(model: nn.Module, packed: dict[str, "PackedWeight"], gri
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
-    """Torch reference for the layout: signed codes [out, columns] from `weight_packed`."""
+    """Torch reference for the layout: signed codes [out, columns] from `weight_packed`, on its
+    device (the positions are worked out on the CPU: whether any code spills needs no sync)."""
     position = torch.arange(columns) * bits
     word, offset = position // 32, position % 32
+    spill = offset + bits > 32  # codes that straddle two words (3 bits)
+    spills = bool(spill.any())
+    word, offset, spill = (t.to(packed.device) for t in (word, offset, spill))
     words = packed.to(torch.int64) & 0xFFFFFFFF  # int32 -> unsigned bits
     value = words[:, word] >> offset
-    spill = offset + bits > 32  # codes that straddle two words (3 bits)
-    if spill.any():
+    if spills:
         value[:, spill] |= words[:, word[spill] + 1] << (32 - offset[spill])
     return ((value & ((1 << bits) - 1)) - (1 << (bits - 1))).to(torch.int8)
 
@@ -100,6 +103,9 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
 # code j, 4 consecutive x values, one 64-bit load, where unit order scatters them 8 apart (4
 # scalar loads). Marlin repacks its weights at load time for the same reason.
 INTERLEAVE_UNITS = 4
+# Codes unpacked at a time when a weight changes layout: unpacking and packing take some 20 bytes a
+# code in passing (1.1 GB for a whole 4096 x 14336 layer), which a repack at serving time must not claim.
+REPACK_CODES = 1 << 20
 
 
 def interleave_order(codes: torch.Tensor, per_unit: int, inverse: bool = False) -> torch.Tensor:
@@ -297,8 +303,8 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def codes(self) -> torch.Tensor:
-        """Signed codes [N, stored columns] in column order (not for bits 16)."""
-        codes = unpack_int32(self.packed.cpu(), self.bits, self.stored_columns)
+        """Signed codes [N, stored columns] in column order, on the weight's device (not for bits 16)."""
+        codes = unpack_int32(self.packed, self.bits, self.stored_columns)
         return interleave_order(codes, unit_codes(self.bits), inverse=True) if self.interleaved else codes
 
     def can_interleave(self) -> bool:
@@ -314,14 +320,22 @@ class PackedWeight:
         """This weight in the interleaved layout (`interleave_order`), which only the whole-unit
         kernels read (`matmul_triton`); `dequantize_reference` and `codes` read both."""
         require(self.can_interleave() and not self.interleaved, "this weight has no interleaved layout")
-        return self._with_codes(interleave_order(self.codes(), unit_codes(self.bits)), interleaved=True)
+        return self._repacked(interleaved=True)
 
     def unit_order(self) -> "PackedWeight":
         """This weight in the artifact's layout (itself unless interleaved): what writers store."""
-        return self._with_codes(self.codes(), interleaved=False) if self.interleaved else self
+        return self._repacked(interleaved=False) if self.interleaved else self
 
-    def _with_codes(self, codes: torch.Tensor, interleaved: bool) -> "PackedWeight":
-        return replace(self, packed=pack_codes(codes, self.bits).to(self.packed.device), interleaved=interleaved)
+    def _repacked(self, interleaved: bool) -> "PackedWeight":
+        """This weight's codes packed in the other layout, on its own device (no round trip through
+        the CPU at serving time), REPACK_CODES codes' worth of rows at a time."""
+        rows = max(1, REPACK_CODES // self.stored_columns)
+        per_unit = unit_codes(self.bits)
+        blocks = [
+            pack_codes(interleave_order(unpack_int32(block, self.bits, self.stored_columns), per_unit, inverse=not interleaved), self.bits)
+            for block in self.packed.split(rows)
+        ]
+        return replace(self, packed=torch.cat(blocks), interleaved=interleaved)
 
     def _kernel_args(self) -> tuple:
         table = self.codebook if self.codebook is not None else self.scale if self.scale is not None else self.packed
@@ -419,7 +433,7 @@ def dequantize_reference(weight: PackedWeight) -> torch.Tensor:
     if weight.bits == 16:
         values = weight.packed.float()
     else:
-        codes = weight.codes().to(weight.packed.device).long()
+        codes = weight.codes().long()
         if weight.codebook is not None:
             values = torch.gather(weight.codebook.float(), 1, codes + (1 << (weight.bits - 1)))
         else:

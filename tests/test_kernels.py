@@ -234,6 +234,21 @@ def test_interleaved_layout_decodes_and_serves_the_same_weight(bits, rows, colum
     assert_matches_reference(matmul_triton(x, interleaved), x, weight)
 
 
+@pytest.mark.parametrize("bits,rows,columns,group,kind", INTERLEAVABLE)
+def test_repacking_a_block_of_rows_at_a_time_gives_the_whole_weights_layout(bits, rows, columns, group, kind, monkeypatch):
+    """A repack runs REPACK_CODES codes' worth of rows at a time (bounded memory at serving
+    time); two blocks, the last one short, give the bytes of the whole layer's repack."""
+    from compressors import packed_int
+    from compressors.packed_int import interleave_order, pack_codes, unit_codes
+
+    weight = packed(bits, rows, columns, group, kind)
+    whole = pack_codes(interleave_order(weight.codes(), unit_codes(bits)), bits)
+    monkeypatch.setattr(packed_int, "REPACK_CODES", (rows // 2 + 1) * columns)
+    interleaved = weight.interleave()
+    assert torch.equal(interleaved.packed, whole)
+    assert torch.equal(interleaved.unit_order().packed, weight.packed)
+
+
 def test_interleaving_applies_only_where_a_tile_fits(tmp_path):
     """A tile of 4 units must be whole and inside one group; 2:4 weights keep unit order. The
     layout survives a spill to disk; repacking twice is refused."""
