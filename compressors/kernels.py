@@ -143,9 +143,9 @@ def serve_interleaved() -> bool:
     opt-in with LMPRESS_INTERLEAVE=1 until it is timed against unit order on a GPU
     (benchmarks/kernel_speed.py --kinds int4,int4-interleaved). At launch shapes whose warps
     all lie along K its batch-1 kernel loads 4 x values in one 64-bit load, with no shared
-    memory, where unit order takes 4 scalar loads, and its loops are shorter at every launch
-    shape (benchmarks/results/gemv_layouts_sass.md, gemm_layouts_sass.md); faster is not yet
-    shown."""
+    memory, where unit order takes 4 scalar loads; its GEMM loops are shorter at every launch
+    shape, its GEMV loops at half of them (benchmarks/results/gemv_layouts_sass.md,
+    gemm_layouts_sass.md); faster is not yet shown."""
     return os.environ.get("LMPRESS_INTERLEAVE") == "1"
 
 

@@ -17,6 +17,7 @@ mismatch), so asymmetric grids go to lmpress's own format (compressors/lmpress_f
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -669,37 +670,41 @@ def _x_at(x_ptr, columns, K, EVEN: tl.constexpr):
     return x.to(tl.float32)
 
 
+@triton.constexpr_function
+def group_units(group: int, codes: int, units: int) -> int:
+    """Consecutive units of a block that share one load of scales: a run inside one group
+    (`group` stored columns, 0 for one group a row) that divides the block's `units`, so runs
+    start where blocks do; at most a quarter of the block, since on sm_90 loads of 4 runs a row
+    compiled to the fewest instructions of 1, 2, 4 or 8 (benchmarks/kernel_sass.py --gemm-layouts)."""
+    return min(units if group == 0 else math.gcd(units, group // codes), max(1, units // 4))
+
+
 @triton.jit
 def _group_scales(scale_ptr, zero_ptr, rn, u0, N, stored, stride_sn, stride_zn, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                  UNITS: tl.constexpr, CODES: tl.constexpr, INTERLEAVED: tl.constexpr):
+                  UNITS: tl.constexpr, CODES: tl.constexpr):
     """Per unit [BLOCK_N, UNITS] the scale and the offset (2^(bits-1) + zero point) of the
-    group it lies in: value = (code - offset) * scale. GROUP: stored columns a group, 0 for
-    one group a row; a constant, so finding the group is a shift, not a division (about 20
-    instructions a unit on sm_90). An interleaved unit's tile lies inside one group."""
-    if INTERLEAVED:  # one load per tile of 4 units, spread to its units in registers
-        first_column = (u0 // 4 + tl.arange(0, UNITS // 4)) * (4 * CODES)
-    else:
-        first_column = (u0 + tl.arange(0, UNITS)) * CODES
+    group it lies in: value = (code - offset) * scale (GROUP a constant: finding the group is a
+    shift, not a division, about 20 instructions a unit on sm_90). One load per run of units in
+    one group (`group_units`), spread to its units in registers; a load per unit cost the int4
+    loops 6 to 23% more instructions on sm_90 (kernel_sass.py --gemv-layouts, --gemm-layouts).
+    Either layout: an interleaved tile of 4 units lies inside one group."""
+    SHARED: tl.constexpr = group_units(GROUP, CODES, UNITS)
+    first_column = (u0 + tl.arange(0, UNITS // SHARED) * SHARED) * CODES
     inside = (rn[:, None] < N) & (first_column[None, :] < stored)
-    if GROUP == 0:
-        group = tl.zeros_like(first_column)[None, :]
-    else:
-        group = first_column[None, :] // GROUP
+    group = first_column[None, :] // GROUP if GROUP else tl.zeros_like(first_column)[None, :]
     scale = tl.load(scale_ptr + rn[:, None] * stride_sn + group, mask=inside, other=0.0).to(tl.float32)
     offset = tl.zeros_like(scale) + (1 << (BITS - 1))
     if HAS_ZERO:
         offset += tl.load(zero_ptr + rn[:, None] * stride_zn + group, mask=inside, other=0).to(tl.float32)
-    if INTERLEAVED:
-        scale, offset = _tiles_to_units(scale), _tiles_to_units(offset)
-    return scale, offset
+    return _spread(scale, SHARED), _spread(offset, SHARED)
 
 
 @triton.jit
-def _tiles_to_units(values):
-    """Per tile [BLOCK_N, TILES] -> per unit [BLOCK_N, 4 TILES]: each tile's value for its 4 units."""
+def _spread(values, SHARED: tl.constexpr):
+    """Per run [BLOCK_N, RUNS] -> per unit [BLOCK_N, RUNS * SHARED]: each run's value for its units."""
     rows: tl.constexpr = values.shape[0]
-    tiles: tl.constexpr = values.shape[1]
-    return tl.reshape(tl.broadcast_to(values[:, :, None], (rows, tiles, 4)), (rows, 4 * tiles))
+    runs: tl.constexpr = values.shape[1]
+    return tl.reshape(tl.broadcast_to(values[:, :, None], (rows, runs, SHARED)), (rows, runs * SHARED))
 
 
 @triton.jit
@@ -826,8 +831,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                 value = tl.load(table_ptr + rn[:, None] * stride_tn + codes, mask=rn[:, None] < N, other=0.0)
                 acc += value.to(tl.float32) * x[None, :]
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES,
-                                          INTERLEAVED)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES)
             codes_x = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
             if SPARSE24:  # the offset per kept column, since which columns count differs by row
                 keep = _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS, UNITS)
@@ -890,8 +894,7 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
             if x_ptr.dtype.element_ty != tl.float16:
                 w = w.to(tl.float32)
         else:
-            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES,
-                                          INTERLEAVED)
+            scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES)
             if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly: (q - offset) is exact there, and
                 # the fp16 product rounds once, as the fp32 product cast to fp16 did, so the tile is the same
                 w = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
