@@ -112,6 +112,8 @@ CASES = [
     ("grid GEMM int4", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int8 asymmetric", "_grid_gemm_kernel", dict(GRID, BITS=8, HAS_ZERO=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int4 split-K 2", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16, SPLIT_K=2)),
+    ("grid GEMV int4 asymmetric group 48", "_grid_gemv_kernel", dict(GRID, HAS_ZERO=True, GROUP=48, BLOCK_N=8, WORDS=128)),  # scale runs of 2 units
+    ("grid GEMM int8 group 12", "_grid_gemm_kernel", dict(GRID, BITS=8, GROUP=12, BLOCK_M=16, BLOCK_N=64, WORDS=16)),  # runs of 1 unit
     ("grid GEMV codebook 4-bit", "_grid_gemv_kernel", dict(GRID, CODEBOOK=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMM codebook 4-bit", "_grid_gemm_kernel", dict(GRID, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMV int3", "_grid_gemv_kernel", dict(GRID, BITS=3, BLOCK_N=8, WORDS=128)),

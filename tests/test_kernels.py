@@ -199,6 +199,7 @@ def test_every_tuned_launch_shape_matches_reference(batch, config, dtype):
                packed(4, 19, 1280, 64, "2:4 asymmetric"), packed(8, 5, 200, None, "2:4 symmetric"), packed(2, 9, 192, 64, "2:4 symmetric"),  # 2:4: 80, 25, 6 words
                packed(4, 21, 4096, 128), packed(4, 3, 2304, None),  # 4-bit symmetric: whole blocks (unmasked words), per-channel
                packed(4, 10, 576, 96),  # groups of 12 units: scales loaded per run of 4 (`group_units`), 3 runs a group
+               packed(4, 6, 432, 48, "asymmetric"), packed(8, 5, 132, 12),  # runs of 2 and 1 units, several groups a block
                packed(4, 21, 4096, 128).interleave(), packed(3, 13, 1280, 128, "asymmetric").interleave()]  # the interleaved layout
     from triton.runtime.errors import OutOfResources
 
