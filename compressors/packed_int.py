@@ -104,8 +104,9 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
 # code j, 4 consecutive x values, one 64-bit load, where unit order scatters them 8 apart (4
 # scalar loads). Marlin repacks its weights at load time for the same reason.
 INTERLEAVE_UNITS = 4
-# Codes unpacked at a time when a weight changes layout: unpacking and packing take some 20 bytes a
-# code in passing (1.1 GB for a whole 4096 x 14336 layer), which a repack at serving time must not claim.
+# Codes unpacked at a time when a weight changes layout: unpacking and packing take some 25 bytes a
+# code in passing (1.4 GB for a whole 4096 x 14336 layer, benchmarks/repack_cost.py), which a repack
+# at serving time must not claim.
 REPACK_CODES = 1 << 20
 
 
