@@ -110,6 +110,9 @@ CASES = [
     ("grid GEMM int4 interleaved", "_grid_gemm_kernel", dict(GRID, INTERLEAVED=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM codebook 3-bit interleaved", "_grid_gemm_kernel", dict(GRID, BITS=3, CODEBOOK=True, INTERLEAVED=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int4", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMM int4 PTX decode whole blocks", "_grid_gemm_kernel", dict(GRID, PTX=True, EVEN=True, BLOCK_M=64, BLOCK_N=64, WORDS=16)),
+    ("grid GEMM int4 asymmetric PTX decode interleaved", "_grid_gemm_kernel", dict(GRID, HAS_ZERO=True, PTX=True, INTERLEAVED=True, BLOCK_M=16, BLOCK_N=128, WORDS=32)),
+    ("grid GEMM 2:4 int4 PTX", "_grid_gemm_kernel", dict(GRID, SPARSE24=True, PTX=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),  # 2:4 keeps the Triton decode
     ("grid GEMM int8 asymmetric", "_grid_gemm_kernel", dict(GRID, BITS=8, HAS_ZERO=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int4 split-K 2", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16, SPLIT_K=2)),
     ("grid GEMV int4 asymmetric group 48", "_grid_gemv_kernel", dict(GRID, HAS_ZERO=True, GROUP=48, BLOCK_N=8, WORDS=128)),  # scale runs of 2 units
@@ -168,7 +171,7 @@ def layouts(kernel: str, out: Path) -> None:
     for config in packed_int.GEMV_CONFIGS if gemv else packed_int.GEMM_CONFIGS:
         launch = config.kwargs
         for interleaved in (False, True):
-            constexprs = dict(GRID, INTERLEAVED=interleaved, PTX=True, EVEN=True, **launch)  # (the GEMM takes neither PTX nor EVEN)
+            constexprs = dict(GRID, INTERLEAVED=interleaved, PTX=True, EVEN=True, **launch)
             code = sass(compiled, {key: value for key, value in constexprs.items() if key in compiled.arg_names},
                         num_warps=config.num_warps, num_stages=config.num_stages, aligned=True, usage=True)
             body = collections.Counter(loop_body(code))

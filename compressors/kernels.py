@@ -141,11 +141,11 @@ def select_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
 def serve_interleaved() -> bool:
     """Whether CUDA serving repacks weights into the interleaved layout (`interleave_order`):
     opt-in with LMPRESS_INTERLEAVE=1 until it is timed against unit order on a GPU
-    (benchmarks/kernel_speed.py --kinds int4,int4-interleaved). At launch shapes whose warps
-    all lie along K its batch-1 kernel loads 4 x values in one 64-bit load, with no shared
-    memory, where unit order takes 4 scalar loads; its GEMM loops are shorter at every launch
-    shape, its GEMV loops at half of them (benchmarks/results/gemv_layouts_sass.md,
-    gemm_layouts_sass.md); faster is not yet shown."""
+    (benchmarks/kernel_speed.py --kinds int4,int4-interleaved). In it each GEMM thread decodes
+    whole words straight into its tensor-core fragment, where unit order reorders the tile
+    through shared memory: compiled for sm_90, the int4 GEMM's loop is 23-34% shorter at every
+    launch shape, and the GEMV's within 4% of unit order's (benchmarks/results/
+    gemm_layouts_sass.md, gemv_layouts_sass.md); faster is not yet shown."""
     return os.environ.get("LMPRESS_INTERLEAVE") == "1"
 
 

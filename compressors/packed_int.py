@@ -97,12 +97,15 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     return ((value & ((1 << bits) - 1)) - (1 << (bits - 1))).to(torch.int8)
 
 
-# The interleaved layout, a repack made at load time for the batch-1 kernel (never written to an
-# artifact): in each tile of 4 consecutive units of whole codes (4-bit: 4 words, 32 columns),
-# code j of unit u holds column 4 j + u of the tile, not unit-order column u * codes + j. A
-# thread holding 4 consecutive units (one 128-bit load of 4-bit words) then needs, for its
-# code j, 4 consecutive x values, one 64-bit load, where unit order scatters them 8 apart (4
-# scalar loads). Marlin repacks its weights at load time for the same reason.
+# The interleaved layout, a repack made at load time for the tensor cores (never written to an
+# artifact). A tensor-core fragment of 16-bit weights (mma / wgmma, the GEMM's first operand)
+# gives thread q of each 4 the columns 8 p + 2 q + b of a k-block (p = 0, 1, ...; b = 0, 1).
+# So in each tile of 4 consecutive units of whole codes (4-bit: 4 words, 32 columns), unit q
+# holds exactly those columns, code p + b * codes / 2 standing for column 8 p + 2 q + b: each
+# thread loads whole words and decodes them straight into its operand registers, with no trip
+# through shared memory to reorder the tile, and with 4 bits the two codes of a half2 register
+# (columns 2 q and 2 q + 1) sit 16 bits apart in a word, where one lop3 extracts both. Marlin
+# repacks its weights at load time for the same reason.
 INTERLEAVE_UNITS = 4
 # Codes unpacked at a time when a weight changes layout: unpacking and packing take some 25 bytes a
 # code in passing (1.4 GB for a whole 4096 x 14336 layer, benchmarks/repack_cost.py), which a repack
@@ -112,12 +115,14 @@ REPACK_CODES = 1 << 20
 
 def interleave_order(codes: torch.Tensor, per_unit: int, inverse: bool = False) -> torch.Tensor:
     """Codes [N, K] in column order -> the interleaved layout's order (`inverse`: back), in
-    tiles of INTERLEAVE_UNITS units of `per_unit` codes (K a whole number of tiles)."""
+    tiles of INTERLEAVE_UNITS units of `per_unit` codes (K a whole number of tiles): a tile's
+    columns [p, q, b] (column 8 p + 2 q + b) are stored as [q, b, p] (unit q, code p + b * per_unit / 2)."""
     rows, columns = codes.shape
     tiles = (rows, columns // (INTERLEAVE_UNITS * per_unit))
-    if inverse:  # stored [tile, unit, code] -> columns [tile, code, unit]
-        return codes.reshape(*tiles, INTERLEAVE_UNITS, per_unit).transpose(2, 3).reshape(rows, columns)
-    return codes.reshape(*tiles, per_unit, INTERLEAVE_UNITS).transpose(2, 3).reshape(rows, columns)
+    half = per_unit // 2
+    if inverse:
+        return codes.reshape(*tiles, INTERLEAVE_UNITS, 2, half).permute(0, 1, 4, 2, 3).reshape(rows, columns)
+    return codes.reshape(*tiles, half, INTERLEAVE_UNITS, 2).permute(0, 1, 3, 4, 2).reshape(rows, columns)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -482,7 +487,9 @@ def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 
 # benchmarks/kernel_sass.py.) On a GPU Triton's autotuner picks the launch shape per layer
 # shape; the interpreter takes the first. Grids and codebooks (not 2:4) may also be served in
 # the interleaved layout (`interleave_order`, INTERLEAVED): only which column a code stands for
-# changes (`_code_columns`), and the GEMM puts its decoded tile back in column order.
+# changes (`_code_columns`), and the GEMM puts its decoded tile back in column order
+# (`_column_order`), which for 16-bit activations is a renaming of the registers its tensor-core
+# fragments already hold.
 
 
 def _tuned(kernel, configs: list, key: list[str]):
@@ -651,14 +658,27 @@ def _sparse24_code(word, keep, d, BITS: tl.constexpr):
 @triton.jit
 def _code_columns(units, j, CODES: tl.constexpr, INTERLEAVED: tl.constexpr):
     """The column that code j of each unit stands for: u * CODES + j in unit order; in the
-    interleaved layout (`interleave_order`; 4 = INTERLEAVE_UNITS) column 4 j + u % 4 of the
-    unit's tile of 4, runs of 4 consecutive columns (told to the compiler, so x loads 4 values
-    at once)."""
+    interleaved layout (`interleave_order`; 4 = INTERLEAVE_UNITS) column 8 p + 2 (u % 4) + b
+    of the unit's tile of 4, where j = p + b * CODES / 2."""
     if INTERLEAVED:
-        columns = tl.max_contiguous(tl.multiple_of(units // 4 * (4 * CODES) + 4 * j + units % 4, 4), 4)
+        HALF: tl.constexpr = CODES // 2
+        columns = units // 4 * (4 * CODES) + 8 * (j % HALF) + 2 * (units % 4) + j // HALF
     else:
         columns = units * CODES + j
     return columns
+
+
+@triton.jit
+def _column_order(tile, INTERLEAVED: tl.constexpr):
+    """A decoded tile [BLOCK_N, UNITS, COLUMNS] as [BLOCK_N, UNITS * COLUMNS] in column order;
+    interleaved (`interleave_order`): each tile of 4 units [q, b, p] put back as [p, q, b]. With
+    16-bit weights that is a relabelling of the registers the tensor cores read, no data moves."""
+    rows: tl.constexpr = tile.shape[0]
+    units: tl.constexpr = tile.shape[1]
+    codes: tl.constexpr = tile.shape[2]
+    if INTERLEAVED:
+        tile = tl.permute(tl.reshape(tile, (rows, units // 4, 4, 2, codes // 2)), (0, 1, 4, 2, 3))
+    return tl.reshape(tile, (rows, units * codes))
 
 
 @triton.jit
@@ -776,6 +796,48 @@ _DOT4_PTX = tl.constexpr("""{
 }""")
 
 
+# The 4-bit GEMM's decode on a GPU: a word's 8 codes to 8 fp16 weights, (code - offset) *
+# scale, two at a time: `HALF2_DECODE4` gives code - 8 exactly, a half2 subtraction takes the
+# zero point (asymmetric; exact: integers below 2^11), a half2 multiply applies the scale,
+# rounding once as the Triton path's fp16 product does, so the tile is the same to the bit.
+# About 13 instructions a word where Triton's decode takes a shift, a mask, a bit-or, a
+# packing move and two fp16 operations a code (benchmarks/kernel_sass.py --gemm-layouts).
+# Outputs $0..$7: codes 0..7; inputs: $8 the scale, $9 the zero point (fp16), $10 the word.
+def _decode4_ptx(zero: bool) -> str:
+    unzero = "    mov.b32 z, {$9, $9};\n" + "".join(f"    sub.f16x2 h{i}, h{i}, z;\n" for i in range(4)) if zero else ""
+    return ("{\n    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, s, z;\n    mov.b32 s, {$8, $8};"
+            + HALF2_DECODE4.replace("$1", "$10") + unzero
+            + "".join(f"    mul.rn.f16x2 h{i}, h{i}, s;\n    mov.b32 {{${i}, ${i + 4}}}, h{i};\n" for i in range(4)) + "}")
+
+
+_DECODE4_PTX = tl.constexpr(_decode4_ptx(zero=False))
+_DECODE4_ZERO_PTX = tl.constexpr(_decode4_ptx(zero=True))
+
+
+@triton.jit
+def _fp16_tile(codes, word, scale, offset, HALF2: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """The decoded tile [BLOCK_N, UNITS, CODES] in fp16, (code - offset) * scale with the
+    unsigned codes [BLOCK_N, UNITS, CODES] and scale / offset per unit: code - offset is exact
+    in fp16 and the product rounds once, as the fp32 product cast to fp16 did. HALF2 (4-bit
+    words, on a GPU): decoded from the words in PTX (`_decode4_ptx`), the same values."""
+    if HALF2:
+        zero = (offset - 8.0).to(tl.float16)
+        if HAS_ZERO:
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                _DECODE4_ZERO_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r", [scale.to(tl.float16), zero, word], dtype=(tl.float16,) * 8,
+                is_pure=True, pack=1)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                _DECODE4_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r", [scale.to(tl.float16), zero, word], dtype=(tl.float16,) * 8,
+                is_pure=True, pack=1)
+        # join adds a last axis: [.., d, e, f] holds code 4 d + 2 e + f, so the reshape lists codes 0..7 in order
+        tile = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+        tile = tl.reshape(tile, (codes.shape[0], codes.shape[1], 8))
+    else:
+        tile = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
+    return tile
+
+
 @triton.jit
 def _centered_dot4(word, x0, x1, x2, x3, x4, x5, x6, x7, PTX: tl.constexpr):
     """sum_j (code_j - 8) x_j over the 8 codes of each 4-bit word [BLOCK_N, UNITS], x_j [UNITS]
@@ -810,7 +872,9 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     a GPU), minus zero * sum_j x[k_j] if asymmetric, times the scale. Codebooks (table_ptr):
     sum_j codebook[code_j] x[k_j]. 2:4 grids: per unit, sum over its dense columns of the kept
     (code - offset) x[k], times the scale. k_j: `_code_columns` (INTERLEAVED: the interleaved
-    layout). Program (i, s) covers rows block i over slice s of K.
+    layout); 4-bit grids load the block's x in one contiguous run and split it by code, which
+    on sm_90 took 4-25% off the loop against a strided load per code
+    (benchmarks/kernel_sass.py --gemv-layouts). Program (i, s) covers rows block i over slice s of K.
     (Loading the next block's words before this block's arithmetic, by hand, since Triton
     pipelines only loads that feed tl.dot, was no faster on an H100: 8.4 -> 8.7 us at 4096x4096.)"""
     SPANS: tl.constexpr = unit_words(BITS)
@@ -841,14 +905,17 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                     code, kept = _sparse24_code(first, keep, d, BITS)
                     codes_x += tl.where(kept, _exact_codes(code, False) - offset, 0.0) * x[None, :]
             elif BITS == 4:
-                x0 = _x_at(x_ptr, _code_columns(units, 0, CODES, INTERLEAVED), K, EVEN)
-                x1 = _x_at(x_ptr, _code_columns(units, 1, CODES, INTERLEAVED), K, EVEN)
-                x2 = _x_at(x_ptr, _code_columns(units, 2, CODES, INTERLEAVED), K, EVEN)
-                x3 = _x_at(x_ptr, _code_columns(units, 3, CODES, INTERLEAVED), K, EVEN)
-                x4 = _x_at(x_ptr, _code_columns(units, 4, CODES, INTERLEAVED), K, EVEN)
-                x5 = _x_at(x_ptr, _code_columns(units, 5, CODES, INTERLEAVED), K, EVEN)
-                x6 = _x_at(x_ptr, _code_columns(units, 6, CODES, INTERLEAVED), K, EVEN)
-                x7 = _x_at(x_ptr, _code_columns(units, 7, CODES, INTERLEAVED), K, EVEN)
+                x = _x_at(x_ptr, u0 * CODES + tl.arange(0, UNITS * CODES), K, EVEN)
+                if INTERLEAVED:
+                    x = tl.permute(tl.reshape(x, (UNITS // 4, 4, 4, 2)), (0, 2, 3, 1))
+                x = tl.reshape(x, (UNITS, 2, 2, 2))  # code 4 a + 2 b + c
+                even, odd = tl.split(x)
+                x0, x2 = tl.split(even)
+                x1, x3 = tl.split(odd)
+                x0, x4 = tl.split(x0)
+                x2, x6 = tl.split(x2)
+                x1, x5 = tl.split(x1)
+                x3, x7 = tl.split(x3)
                 codes_x = _centered_dot4(first, x0, x1, x2, x3, x4, x5, x6, x7, PTX)
                 if HAS_ZERO:  # offset = 8 + zero point: the 8 is in the dot
                     codes_x -= (offset - 8.0) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
@@ -866,12 +933,16 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
 @triton.jit
 def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_bn,
                       stride_ym, M_BUCKET, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
-                      INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr):
+                      PTX: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr,
+                      EVEN: tl.constexpr):
     """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, UNITS * COLUMNS] (codes
     spread to column order; 2:4: to the dense columns, zeros included) being the tensor cores'
     first operand, which on Hopper may stay in registers. Measured on an H100 against splitting
     the tile by bit position (eight small products per tile) and against w as the second
-    operand: this was fastest (benchmarks/results/kernel_speed.md). Program (i, j, s) covers
+    operand: this was fastest (benchmarks/results/kernel_speed.md). 4-bit words with fp16
+    activations are decoded in half2 (PTX, `_fp16_tile`). In the interleaved layout each thread
+    decodes whole words straight into its fragment; unit order sends the tile through shared
+    memory to reorder it (benchmarks/results/gemm_layouts_sass.md). Program (i, j, s) covers
     slice s of K."""
     SPANS: tl.constexpr = unit_words(BITS)
     CODES: tl.constexpr = unit_codes(BITS)
@@ -884,7 +955,8 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     start, end = _k_slice(tl.program_id(2), tl.cdiv(stored, CODES), UNITS, SPLIT_K)
     for u0 in range(start, end, UNITS):
-        first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS)
+        u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
+        first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)
         if SPARSE24:
             keep = _sparse24_keep(bitmask_ptr, rn, u0, N, K, stride_bn, BITS, UNITS)
             codes, kept = _sparse24_code(first[:, :, None], keep[:, :, None], tl.arange(0, 2 * CODES)[None, None, :], BITS)
@@ -896,18 +968,18 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                 w = w.to(tl.float32)
         else:
             scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES)
-            if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly: (q - offset) is exact there, and
-                # the fp16 product rounds once, as the fp32 product cast to fp16 did, so the tile is the same
-                w = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
+            if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly
+                w = _fp16_tile(codes, first, scale, offset, PTX and BITS == 4 and not SPARSE24, HAS_ZERO)
             else:
                 w = (_exact_codes(codes, False) - offset[:, :, None]) * scale[:, :, None]
             if SPARSE24:
                 w = tl.where(kept, w, 0.0)
-        if INTERLEAVED:  # [row, tile, unit, code] -> [row, tile, code, unit]: column order
-            w = tl.permute(tl.reshape(w, (BLOCK_N, UNITS // 4, 4, CODES)), (0, 1, 3, 2))
-        w = tl.reshape(w, (BLOCK_N, UNITS * COLUMNS))
+        w = _column_order(w, INTERLEAVED)
         rk = u0 * COLUMNS + tl.arange(0, UNITS * COLUMNS)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        inside = rm[:, None] < M
+        if not EVEN:  # (a mask that varies along K would split x's wide loads)
+            inside = inside & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=inside, other=0.0)
         acc = _accumulate_dot(acc, w, tl.trans(x))
     _write(y_ptr + rm[:, None] * stride_ym + rn[None, :], tl.trans(acc), (rm[:, None] < M) & (rn[None, :] < N), SPLIT_K)
 
@@ -916,8 +988,8 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
 # first of each list is what the interpreter runs; tests run every one of them there. The GEMV's:
 # small row blocks over long runs of words; on an H100 the tuner picked BLOCK_N 8 for every kind,
 # and 8 x 128 words was the fastest int4 shape at all three layer shapes timed
-# (benchmarks/results/gemv_int4_h100.md). In the interleaved layout, shapes whose warps all
-# lie along K (2 x 512, 4 x 512) need no shared memory for x (results/gemv_layouts_sass.md).
+# (benchmarks/results/gemv_int4_h100.md). The GEMM's: split-K shapes give a 4096-row layer
+# more programs than an H100's 132 SMs (64 x 64, split 4: 256) to hide each one's latency.
 GEMV_CONFIGS = [
     _split_k({"BLOCK_N": n, "WORDS": w, "SPLIT_K": split}, num_warps=warps, num_stages=3)
     for n, w, split, warps in [
@@ -931,6 +1003,7 @@ GEMM_CONFIGS = [
         (16, 64, 16, 1, 4, 4), (16, 128, 16, 1, 4, 3), (16, 64, 32, 1, 4, 3), (32, 64, 16, 1, 4, 4), (32, 128, 32, 1, 8, 3),
         (64, 64, 16, 1, 4, 4), (64, 128, 32, 1, 8, 3), (16, 128, 32, 1, 8, 4),
         (16, 64, 16, 2, 4, 4), (16, 64, 32, 4, 4, 3), (16, 128, 32, 4, 8, 3), (32, 64, 16, 4, 4, 4), (64, 64, 16, 2, 4, 4), (64, 128, 32, 2, 8, 3),
+        (64, 64, 16, 4, 4, 4),
     ]
 ]
 
@@ -944,8 +1017,9 @@ def _whole_blocks(args: dict) -> bool:
 
 
 _grid_gemv = triton.heuristics({"EVEN": _whole_blocks})(_grid_gemv_kernel)
+_grid_gemm = triton.heuristics({"EVEN": _whole_blocks})(_grid_gemm_kernel)
 _GEMV = _tuned(_grid_gemv, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED"])
-_GEMM = _tuned(_grid_gemm_kernel, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "INTERLEAVED"])
+_GEMM = _tuned(_grid_gemm, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED"])
 
 
 def _takes_fast_grid(weight: PackedWeight) -> bool:
@@ -970,7 +1044,7 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     if config is None:
         kernel, settings = _GEMV if M == 1 else _GEMM
     else:
-        kernel, settings = (_grid_gemv if M == 1 else _grid_gemm_kernel), config.all_kwargs()
+        kernel, settings = (_grid_gemv if M == 1 else _grid_gemm), config.all_kwargs()
         if config.pre_hook is not None:
             config.pre_hook({"y_ptr": y})
     if M == 1:
@@ -979,7 +1053,7 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     else:
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
         kernel[grid](x, *tensors, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
-                     M_BUCKET=min(triton.next_power_of_2(M), 128), **flags, **settings)
+                     M_BUCKET=min(triton.next_power_of_2(M), 128), **flags, PTX=x.is_cuda, **settings)
     return y
 
 

@@ -251,6 +251,48 @@ def test_repacking_a_block_of_rows_at_a_time_gives_the_whole_weights_layout(bits
     assert torch.equal(interleaved.unit_order().packed, weight.packed)
 
 
+@pytest.mark.parametrize("per_unit", [4, 8, 16, 32])  # 8, 4, 2 and 3 bits
+def test_interleaved_units_hold_a_tensor_core_threads_columns(per_unit):
+    """In a tile of 4 units, unit q holds the columns 8 p + 2 q + b that thread q of a 16-bit
+    tensor-core fragment reads, as code p + b * per_unit / 2; and the inverse restores column order."""
+    from compressors.packed_int import interleave_order
+
+    columns = torch.arange(8 * per_unit).reshape(1, -1)  # two tiles
+    stored = interleave_order(columns, per_unit).reshape(2, 4, per_unit)
+    half = per_unit // 2
+    for tile in range(2):
+        for q in range(4):
+            for code in range(per_unit):
+                p, b = code % half, code // half
+                assert stored[tile, q, code] == tile * 4 * per_unit + 8 * p + 2 * q + b
+    assert torch.equal(interleave_order(stored.reshape(1, -1), per_unit, inverse=True), columns)
+
+
+def test_ptx_decodes_compute_what_the_interpreter_runs():
+    """The 4-bit decodes' inline PTX, which only a GPU runs, emulated instruction by instruction
+    (tests/ptx_emulator.py) on random words against the Triton arithmetic the interpreter runs
+    in its place: the GEMM's fp16 weights (`_fp16_tile`) to the bit, symmetric and with zero
+    points, and the GEMV's sum of (code - 8) x (`_centered_dot4`) within fp32 rounding."""
+    import numpy as np
+    from compressors import packed_int
+    from ptx_emulator import run
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        word = int(rng.integers(0, 1 << 32))
+        codes = [(word >> (4 * j)) & 15 for j in range(8)]
+        scale = float(np.float16(rng.uniform(-0.2, 0.2)))
+        zero = int(rng.integers(-8, 8))
+        for asm, offset in [(packed_int._DECODE4_PTX.value, 8), (packed_int._DECODE4_ZERO_PTX.value, 8 + zero)]:
+            got = run(asm, {8: scale, 9: float(offset - 8), 10: word}, outputs=8)
+            expected = [float(np.float16(np.float16(c - offset) * np.float16(scale))) for c in codes]
+            assert np.array(got, dtype=np.float16).view(np.uint16).tolist() == np.array(expected, dtype=np.float16).view(np.uint16).tolist()
+        x = rng.standard_normal(8).astype(np.float32)
+        (dot,) = run(packed_int._DOT4_PTX.value, {1: word, **{2 + j: float(x[j]) for j in range(8)}}, outputs=1)
+        expected = sum((c - 8) * float(v) for c, v in zip(codes, x))
+        assert abs(dot - expected) <= 1e-5 * max(1.0, sum(abs((c - 8) * float(v)) for c, v in zip(codes, x)))
+
+
 def test_interleaving_applies_only_where_a_tile_fits(tmp_path):
     """A tile of 4 units must be whole and inside one group; 2:4 weights keep unit order. The
     layout survives a spill to disk; repacking twice is refused."""
