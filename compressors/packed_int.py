@@ -821,15 +821,9 @@ def _fp16_tile(codes, word, scale, offset, HALF2: tl.constexpr, HAS_ZERO: tl.con
     in fp16 and the product rounds once, as the fp32 product cast to fp16 did. HALF2 (4-bit
     words, on a GPU): decoded from the words in PTX (`_decode4_ptx`), the same values."""
     if HALF2:
-        zero = (offset - 8.0).to(tl.float16)
-        if HAS_ZERO:
-            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                _DECODE4_ZERO_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r", [scale.to(tl.float16), zero, word], dtype=(tl.float16,) * 8,
-                is_pure=True, pack=1)
-        else:
-            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                _DECODE4_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r", [scale.to(tl.float16), zero, word], dtype=(tl.float16,) * 8,
-                is_pure=True, pack=1)
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            _DECODE4_ZERO_PTX if HAS_ZERO else _DECODE4_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r",
+            [scale.to(tl.float16), (offset - 8.0).to(tl.float16), word], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         # join adds a last axis: [.., d, e, f] holds code 4 d + 2 e + f, so the reshape lists codes 0..7 in order
         tile = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
         tile = tl.reshape(tile, (codes.shape[0], codes.shape[1], 8))
@@ -873,7 +867,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     sum_j codebook[code_j] x[k_j]. 2:4 grids: per unit, sum over its dense columns of the kept
     (code - offset) x[k], times the scale. k_j: `_code_columns` (INTERLEAVED: the interleaved
     layout); 4-bit grids load the block's x in one contiguous run and split it by code, which
-    on sm_90 took 4-25% off the loop against a strided load per code
+    on sm_90 took 1-25% off the unit-order loop against a strided load per code
     (benchmarks/kernel_sass.py --gemv-layouts). Program (i, s) covers rows block i over slice s of K.
     (Loading the next block's words before this block's arithmetic, by hand, since Triton
     pipelines only loads that feed tl.dot, was no faster on an H100: 8.4 -> 8.7 us at 4096x4096.)"""
