@@ -4,7 +4,7 @@ the compiler made of them: machine instructions (SASS) counted by opcode.
     python benchmarks/kernel_sass.py [--baseline OLD_packed_int.py]   # counts -> results/kernel_sass.{json,md}
     python benchmarks/kernel_sass.py --check                          # every kernel path compiles, or exit 1
     python benchmarks/kernel_sass.py --gemv-layouts                   # the int4 GEMV's loop per launch shape and layout
-    python benchmarks/kernel_sass.py --gemm-layouts                   # the same for the GEMM
+    python benchmarks/kernel_sass.py --gemm-layouts [--bits 8]        # the same for the GEMM (int8: results/gemm_layouts_sass_int8)
 
 Triton ships ptxas and cuobjdump, so lowering to Hopper machine code needs no GPU. This
 catches what the interpreter cannot (it runs the Python, not the compiler: a kernel can pass
@@ -114,6 +114,8 @@ CASES = [
     ("grid GEMM int4 asymmetric PTX decode interleaved", "_grid_gemm_kernel", dict(GRID, HAS_ZERO=True, PTX=True, INTERLEAVED=True, BLOCK_M=16, BLOCK_N=128, WORDS=32)),
     ("grid GEMM 2:4 int4 PTX", "_grid_gemm_kernel", dict(GRID, SPARSE24=True, PTX=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),  # 2:4 keeps the Triton decode
     ("grid GEMM int8 asymmetric", "_grid_gemm_kernel", dict(GRID, BITS=8, HAS_ZERO=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMM int8 asymmetric PTX decode interleaved whole blocks", "_grid_gemm_kernel",
+     dict(GRID, BITS=8, HAS_ZERO=True, PTX=True, INTERLEAVED=True, EVEN=True, BLOCK_M=64, BLOCK_N=64, WORDS=16)),
     ("grid GEMM int4 split-K 2", "_grid_gemm_kernel", dict(GRID, BLOCK_M=16, BLOCK_N=64, WORDS=16, SPLIT_K=2)),
     ("grid GEMV int4 asymmetric group 48", "_grid_gemv_kernel", dict(GRID, HAS_ZERO=True, GROUP=48, BLOCK_N=8, WORDS=128)),  # scale runs of 2 units
     ("grid GEMM int8 group 12", "_grid_gemm_kernel", dict(GRID, BITS=8, GROUP=12, BLOCK_M=16, BLOCK_N=64, WORDS=16)),  # runs of 1 unit
@@ -160,18 +162,20 @@ def compiles(module, name: str, constexprs: dict, activations: str) -> dict:
     return opcodes(sass(kernel, taken, activations))
 
 
-def layouts(kernel: str, out: Path) -> None:
-    """The served int4 GEMV or GEMM (`kernel`; group 128, fp16 x; the GEMV with its PTX decode
-    and whole blocks), compiled aligned as on 4096-wide layers, at each launch shape the
+def layouts(kernel: str, out: Path, bits: int = 4, baseline: Path | None = None) -> None:
+    """The served int4 (or `bits`) GEMV or GEMM (`kernel`; group 128, fp16 x; PTX decodes and
+    whole blocks), compiled aligned as on 4096-wide layers, at each launch shape the
     autotuner may pick, in unit order and interleaved: the K loop's instructions, its memory
     instructions by width (shared-memory round trips and barriers included) and registers.
-    Static counts: speed is measured on a GPU."""
+    Static counts: speed is measured on a GPU. baseline: an earlier packed_int.py, whose loop
+    at the same launch shape is counted beside (compiled with the settings it takes)."""
     gemv, compiled = kernel == "gemv", getattr(packed_int, f"_grid_{kernel}_kernel")
+    earlier = getattr(load_kernels(baseline), f"_grid_{kernel}_kernel") if baseline else None
     rows = []
     for config in packed_int.GEMV_CONFIGS if gemv else packed_int.GEMM_CONFIGS:
         launch = config.kwargs
         for interleaved in (False, True):
-            constexprs = dict(GRID, INTERLEAVED=interleaved, PTX=True, EVEN=True, **launch)
+            constexprs = dict(GRID, BITS=bits, INTERLEAVED=interleaved, PTX=True, EVEN=True, **launch)
             code = sass(compiled, {key: value for key, value in constexprs.items() if key in compiled.arg_names},
                         num_warps=config.num_warps, num_stages=config.num_stages, aligned=True, usage=True)
             body = collections.Counter(loop_body(code))
@@ -181,19 +185,26 @@ def layouts(kernel: str, out: Path) -> None:
                          "registers": int(re.search(r"REG:(\d+)", code).group(1)),
                          "words_per_thread": launch["BLOCK_N"] * launch["WORDS"] // (32 * config.num_warps),
                          "loop_instructions": sum(body.values()), "loop_memory": memory})
+            if earlier is not None:
+                old = sass(earlier, {key: value for key, value in constexprs.items() if key in earlier.arg_names},
+                           num_warps=config.num_warps, num_stages=config.num_stages, aligned=True)
+                rows[-1]["baseline_loop_instructions"] = len(loop_body(old))
             print(json.dumps(rows[-1]), flush=True)
     what = "GEMV (PTX decode, whole blocks)" if gemv else "GEMM"
-    report = {"target": f"sm_90 (H100), fp16 x, int4 symmetric group 128, {what}", "triton": triton.__version__, "rows": rows}
+    report = {"target": f"sm_90 (H100), fp16 x, int{bits} symmetric group 128, {what}", "triton": triton.__version__,
+              "baseline": baseline.name if baseline else None, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     axes = "rows x words" if gemv else "batch rows x rows x words"
-    lines = [f"The int4 {kernel.upper()}'s loop over K as compiled for {report['target']}, Triton {report['triton']} "
-             f"(`python benchmarks/kernel_sass.py --{kernel}-layouts`): instructions in the loop body, its memory instructions by width, "
+    lines = [f"The int{bits} {kernel.upper()}'s loop over K as compiled for {report['target']}, Triton {report['triton']} "
+             f"(`python benchmarks/kernel_sass.py --{kernel}-layouts" + (f" --bits {bits}" if bits != 4 else "") + "`): instructions in the loop body, its memory instructions by width, "
              "and registers. STS/STSM, LDS/LDSM and BAR are shared-memory traffic"
              + (" (x moved into the words' layout)" if gemv else " (tiles on their way to the tensor cores)") + ". Static counts, not timings.", "",
-             f"| launch shape ({axes}) | layout | registers | words a thread loads per iteration | loop instructions | memory instructions in the loop |",
-             "|---|---|---|---|---|---|"]
+             f"| launch shape ({axes}) | layout | registers | words a thread loads per iteration | loop instructions | "
+             + (f"loop instructions, {baseline.name} | " if baseline else "") + "memory instructions in the loop |",
+             "|---|---|---|---|---|" + ("---|" if baseline else "") + "---|"]
     lines += [f"| {r['launch']} | {r['layout']} | {r['registers']} | {r['words_per_thread']} | {r['loop_instructions']} | "
+              + (f"{r['baseline_loop_instructions']} | " if baseline else "")
               + ", ".join(f"{op} {n}" for op, n in r["loop_memory"].items()) + " |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -205,12 +216,13 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="an earlier compressors/packed_int.py to count side by side")
     parser.add_argument("--gemv-layouts", action="store_true", help="the int4 GEMV's loop at each launch shape, unit order and interleaved")
     parser.add_argument("--gemm-layouts", action="store_true", help="the same for the int4 GEMM")
+    parser.add_argument("--bits", type=int, default=4, help="with --gemv-layouts / --gemm-layouts: 4 or 8")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_sass")
     args = parser.parse_args()
 
     if args.gemv_layouts or args.gemm_layouts:
         kernel = "gemv" if args.gemv_layouts else "gemm"
-        return layouts(kernel, args.out.with_name(f"{kernel}_layouts_sass"))
+        return layouts(kernel, args.out.with_name(f"{kernel}_layouts_sass" + (f"_int{args.bits}" if args.bits != 4 else "")), args.bits, args.baseline)
     if args.check:
         failed = []
         for title, name, constexprs in CASES:

@@ -796,39 +796,63 @@ _DOT4_PTX = tl.constexpr("""{
 }""")
 
 
-# The 4-bit GEMM's decode on a GPU: a word's 8 codes to 8 fp16 weights, (code - offset) *
-# scale, two at a time: `HALF2_DECODE4` gives code - 8 exactly, a half2 subtraction takes the
-# zero point (asymmetric; exact: integers below 2^11), a half2 multiply applies the scale,
-# rounding once as the Triton path's fp16 product does, so the tile is the same to the bit.
-# About 13 instructions a word where Triton's decode takes a shift, a mask, a bit-or, a
-# packing move and two fp16 operations a code (benchmarks/kernel_sass.py --gemm-layouts).
-# Outputs $0..$7: codes 0..7; inputs: $8 the scale, $9 the zero point (fp16), $10 the word.
-def _decode4_ptx(zero: bool) -> str:
-    unzero = "    mov.b32 z, {$9, $9};\n" + "".join(f"    sub.f16x2 h{i}, h{i}, z;\n" for i in range(4)) if zero else ""
-    return ("{\n    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, s, z;\n    mov.b32 s, {$8, $8};"
-            + HALF2_DECODE4.replace("$1", "$10") + unzero
-            + "".join(f"    mul.rn.f16x2 h{i}, h{i}, s;\n    mov.b32 {{${i}, ${i + 4}}}, h{i};\n" for i in range(4)) + "}")
+# The GEMM's decode of 4- and 8-bit words on a GPU: a word's codes to fp16 weights, (code -
+# offset) * scale, two at a time. 4 bits: `HALF2_DECODE4` gives pairs (code j, code j + 4)
+# minus 8; 8 bits: prmt drops bytes 0 and 2 (1 and 3) under 0x64 bytes, 1024 + code as half2,
+# and a half2 subtraction of 1024 + 128 leaves code - 128. Both exact; then a half2
+# subtraction takes the zero point (asymmetric; exact: integers below 2^11) and a half2
+# multiply applies the scale, rounding once as the Triton path's fp16 product does, so the tile
+# is the same to the bit. For 4 bits about 13 instructions a word where Triton's decode takes a
+# shift, a mask, a bit-or, a packing move and two fp16 operations a code
+# (benchmarks/kernel_sass.py --gemm-layouts). Outputs $0..$(n - 1): the word's n codes in
+# order; inputs: $n the scale, $(n + 1) the zero point (fp16), $(n + 2) the word.
+HALF2_DECODE8 = """
+    mov.b32 c1, 0x64806480;
+    prmt.b32 h0, $1, 0x64646464, 0x4240;
+    prmt.b32 h1, $1, 0x64646464, 0x4341;
+    sub.f16x2 h0, h0, c1;
+    sub.f16x2 h1, h1, c1;
+"""  # the word $1 -> (code - 128) as half2 h0 (codes 0, 2), h1 (codes 1, 3)
 
 
-_DECODE4_PTX = tl.constexpr(_decode4_ptx(zero=False))
-_DECODE4_ZERO_PTX = tl.constexpr(_decode4_ptx(zero=True))
+def _half2_decode_ptx(bits: int, zero: bool) -> str:
+    codes = 32 // bits
+    pairs = codes // 2  # pair i holds codes i and i + pairs
+    decode = {4: HALF2_DECODE4, 8: HALF2_DECODE8}[bits].replace("$1", f"${codes + 2}")
+    unzero = f"    mov.b32 z, {{${codes + 1}, ${codes + 1}}};\n" + "".join(f"    sub.f16x2 h{i}, h{i}, z;\n" for i in range(pairs))
+    return ("{\n    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, s, z;\n" + f"    mov.b32 s, {{${codes}, ${codes}}};" + decode
+            + (unzero if zero else "")
+            + "".join(f"    mul.rn.f16x2 h{i}, h{i}, s;\n    mov.b32 {{${i}, ${i + pairs}}}, h{i};\n" for i in range(pairs)) + "}")
+
+
+_DECODE4_PTX = tl.constexpr(_half2_decode_ptx(4, zero=False))
+_DECODE4_ZERO_PTX = tl.constexpr(_half2_decode_ptx(4, zero=True))
+_DECODE8_PTX = tl.constexpr(_half2_decode_ptx(8, zero=False))
+_DECODE8_ZERO_PTX = tl.constexpr(_half2_decode_ptx(8, zero=True))
 
 
 @triton.jit
-def _fp16_tile(codes, word, scale, offset, HALF2: tl.constexpr, HAS_ZERO: tl.constexpr):
+def _fp16_tile(codes, word, scale, offset, HALF2: tl.constexpr, HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
     """The decoded tile [BLOCK_N, UNITS, CODES] in fp16, (code - offset) * scale with the
     unsigned codes [BLOCK_N, UNITS, CODES] and scale / offset per unit: code - offset is exact
-    in fp16 and the product rounds once, as the fp32 product cast to fp16 did. HALF2 (4-bit
-    words, on a GPU): decoded from the words in PTX (`_decode4_ptx`), the same values."""
-    if HALF2:
+    in fp16 and the product rounds once, as the fp32 product cast to fp16 did. HALF2 (4- or
+    8-bit words, on a GPU): decoded from the words in PTX (`_half2_decode_ptx`), the same values."""
+    scale = scale.to(tl.float16)
+    zero = (offset - (1 << (BITS - 1))).to(tl.float16)
+    if HALF2 and BITS == 4:
         c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-            _DECODE4_ZERO_PTX if HAS_ZERO else _DECODE4_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r",
-            [scale.to(tl.float16), (offset - 8.0).to(tl.float16), word], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+            _DECODE4_ZERO_PTX if HAS_ZERO else _DECODE4_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r", [scale, zero, word],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         # join adds a last axis: [.., d, e, f] holds code 4 d + 2 e + f, so the reshape lists codes 0..7 in order
-        tile = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-        tile = tl.reshape(tile, (codes.shape[0], codes.shape[1], 8))
+        tile = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7))),
+                          (codes.shape[0], codes.shape[1], 8))
+    elif HALF2 and BITS == 8:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            _DECODE8_ZERO_PTX if HAS_ZERO else _DECODE8_PTX, "=h,=h,=h,=h,h,h,r", [scale, zero, word],
+            dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+        tile = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (codes.shape[0], codes.shape[1], 4))  # [d, e]: code 2 d + e
     else:
-        tile = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale.to(tl.float16)[:, :, None]
+        tile = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale[:, :, None]
     return tile
 
 
@@ -963,7 +987,7 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
         else:
             scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES)
             if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly
-                w = _fp16_tile(codes, first, scale, offset, PTX and BITS == 4 and not SPARSE24, HAS_ZERO)
+                w = _fp16_tile(codes, first, scale, offset, PTX and (BITS == 4 or BITS == 8) and not SPARSE24, HAS_ZERO, BITS)
             else:
                 w = (_exact_codes(codes, False) - offset[:, :, None]) * scale[:, :, None]
             if SPARSE24:

@@ -58,6 +58,10 @@ def run(asm: str, inputs: dict[int, int | float], outputs: int) -> list[int | fl
             regs[args[0]] = value(args[1])
         elif op == "shr.u32":
             regs[args[0]] = (value(args[1]) & 0xFFFFFFFF) >> int(args[2])
+        elif op == "prmt.b32":  # result byte i: byte (selector nibble i) of b:a (a bytes 0-3, b bytes 4-7); no sign mode
+            source, selector = (value(args[2]) & 0xFFFFFFFF) << 32 | (value(args[1]) & 0xFFFFFFFF), int(args[3], 16)
+            assert not selector & 0x8888, "the emulator has no prmt sign replication"
+            regs[args[0]] = sum(((source >> (8 * (selector >> (4 * i) & 7))) & 0xFF) << (8 * i) for i in range(4))
         elif op == "lop3.b32":
             regs[args[0]] = _lop3(*(value(a) & 0xFFFFFFFF for a in args[1:4]), int(args[4], 16))
         elif op in ("sub.f16x2", "mul.rn.f16x2", "fma.rn.f16x2"):

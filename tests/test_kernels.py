@@ -269,28 +269,33 @@ def test_interleaved_units_hold_a_tensor_core_threads_columns(per_unit):
 
 
 def test_ptx_decodes_compute_what_the_interpreter_runs():
-    """The 4-bit decodes' inline PTX, which only a GPU runs, emulated instruction by instruction
-    (tests/ptx_emulator.py) on random words against the Triton arithmetic the interpreter runs
-    in its place: the GEMM's fp16 weights (`_fp16_tile`) to the bit, symmetric and with zero
-    points, and the GEMV's sum of (code - 8) x (`_centered_dot4`) within fp32 rounding."""
+    """The 4- and 8-bit decodes' inline PTX, which only a GPU runs, emulated instruction by
+    instruction (tests/ptx_emulator.py) on random words against the Triton arithmetic the
+    interpreter runs in its place: the GEMM's fp16 weights (`_fp16_tile`) to the bit, symmetric
+    and with zero points, and the GEMV's sum of (code - 8) x (`_centered_dot4`) within fp32 rounding."""
     import numpy as np
     from compressors import packed_int
     from ptx_emulator import run
 
     rng = np.random.default_rng(0)
+    decodes = {4: (packed_int._DECODE4_PTX.value, packed_int._DECODE4_ZERO_PTX.value),
+               8: (packed_int._DECODE8_PTX.value, packed_int._DECODE8_ZERO_PTX.value)}
     for _ in range(200):
         word = int(rng.integers(0, 1 << 32))
-        codes = [(word >> (4 * j)) & 15 for j in range(8)]
         scale = float(np.float16(rng.uniform(-0.2, 0.2)))
-        zero = int(rng.integers(-8, 8))
-        for asm, offset in [(packed_int._DECODE4_PTX.value, 8), (packed_int._DECODE4_ZERO_PTX.value, 8 + zero)]:
-            got = run(asm, {8: scale, 9: float(offset - 8), 10: word}, outputs=8)
-            expected = [float(np.float16(np.float16(c - offset) * np.float16(scale))) for c in codes]
-            assert np.array(got, dtype=np.float16).view(np.uint16).tolist() == np.array(expected, dtype=np.float16).view(np.uint16).tolist()
+        for bits, (symmetric, asymmetric) in decodes.items():
+            n, middle = 32 // bits, 1 << (bits - 1)
+            codes = [(word >> (bits * j)) & ((1 << bits) - 1) for j in range(n)]
+            zero = int(rng.integers(-middle, middle))
+            for asm, offset in [(symmetric, middle), (asymmetric, middle + zero)]:
+                got = run(asm, {n: scale, n + 1: float(offset - middle), n + 2: word}, outputs=n)
+                expected = [np.float16(np.float16(c - offset) * np.float16(scale)) for c in codes]
+                assert np.array(got, dtype=np.float16).view(np.uint16).tolist() == np.array(expected).view(np.uint16).tolist(), (bits, hex(word))
+        codes = [(word >> (4 * j)) & 15 for j in range(8)]
         x = rng.standard_normal(8).astype(np.float32)
         (dot,) = run(packed_int._DOT4_PTX.value, {1: word, **{2 + j: float(x[j]) for j in range(8)}}, outputs=1)
-        expected = sum((c - 8) * float(v) for c, v in zip(codes, x))
-        assert abs(dot - expected) <= 1e-5 * max(1.0, sum(abs((c - 8) * float(v)) for c, v in zip(codes, x)))
+        terms = [(c - 8) * float(v) for c, v in zip(codes, x)]
+        assert abs(dot - sum(terms)) <= 1e-5 * max(1.0, sum(abs(t) for t in terms))
 
 
 def test_interleaving_applies_only_where_a_tile_fits(tmp_path):
