@@ -838,19 +838,21 @@ def _fp16_tile(codes, word, scale, offset, HALF2: tl.constexpr, HAS_ZERO: tl.con
     in fp16 and the product rounds once, as the fp32 product cast to fp16 did. HALF2 (4- or
     8-bit words, on a GPU): decoded from the words in PTX (`_half2_decode_ptx`), the same values."""
     scale = scale.to(tl.float16)
-    zero = (offset - (1 << (BITS - 1))).to(tl.float16)
-    if HALF2 and BITS == 4:
-        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-            _DECODE4_ZERO_PTX if HAS_ZERO else _DECODE4_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r", [scale, zero, word],
-            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-        # join adds a last axis: [.., d, e, f] holds code 4 d + 2 e + f, so the reshape lists codes 0..7 in order
-        tile = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7))),
-                          (codes.shape[0], codes.shape[1], 8))
-    elif HALF2 and BITS == 8:
-        c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            _DECODE8_ZERO_PTX if HAS_ZERO else _DECODE8_PTX, "=h,=h,=h,=h,h,h,r", [scale, zero, word],
-            dtype=(tl.float16,) * 4, is_pure=True, pack=1)
-        tile = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (codes.shape[0], codes.shape[1], 4))  # [d, e]: code 2 d + e
+    if HALF2:
+        rows: tl.constexpr = word.shape[0]
+        units: tl.constexpr = word.shape[1]
+        zero = (offset - (1 << (BITS - 1))).to(tl.float16)
+        if BITS == 4:
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                _DECODE4_ZERO_PTX if HAS_ZERO else _DECODE4_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r", [scale, zero, word],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+            # join adds a last axis: [.., d, e, f] holds code 4 d + 2 e + f, so the reshape lists codes 0..7 in order
+            tile = tl.reshape(tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7))), (rows, units, 8))
+        else:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _DECODE8_ZERO_PTX if HAS_ZERO else _DECODE8_PTX, "=h,=h,=h,=h,h,h,r", [scale, zero, word],
+                dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+            tile = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (rows, units, 4))  # [d, e]: code 2 d + e
     else:
         tile = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale[:, :, None]
     return tile

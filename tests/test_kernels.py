@@ -362,8 +362,8 @@ def test_writers_store_the_artifacts_layout(tmp_path):
 
 
 def test_whole_blocks_drop_the_k_mask_only_where_every_block_is_whole():
-    """The GEMV loads words unmasked along K (so 128 bits at a time) only when K splits into
-    whole units and whole blocks for the launch shape, split-K slices included."""
+    """The GEMV and GEMM load words unmasked along K (so 128 bits at a time) only when K splits
+    into whole units and whole blocks for the launch shape, split-K slices included."""
     from compressors.packed_int import _whole_blocks
 
     shape = lambda K, bits=4, words=128, split=1, sparse=False: dict(K=K, BITS=bits, WORDS=words, SPLIT_K=split, SPARSE24=sparse)  # noqa: E731
