@@ -2,7 +2,7 @@
 the compiler made of them: machine instructions (SASS) counted by opcode.
 
     python benchmarks/kernel_sass.py [--baseline OLD_packed_int.py]   # counts -> results/kernel_sass.{json,md}
-    python benchmarks/kernel_sass.py --check                          # every kernel path compiles, or exit 1
+    python benchmarks/kernel_sass.py --check                          # every kernel path compiles, without ptxas warnings, or exit 1
     python benchmarks/kernel_sass.py --gemv-layouts                   # the int4 GEMV's loop per launch shape and layout
     python benchmarks/kernel_sass.py --gemm-layouts [--bits 8]        # the same for the GEMM (int8: results/gemm_layouts_sass_int8)
 
@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from benchmarks.kernel_speed import load_kernels  # noqa: E402
@@ -61,11 +62,29 @@ def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, nu
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        dump = lambda flag: subprocess.run([TOOLS / "cuobjdump", flag, cubin.name], capture_output=True, text=True, check=True).stdout  # noqa: E731
-        return dump("-sass") + (dump("-res-usage") if usage else "")
+    with tempfile.TemporaryDirectory() as folder:
+        cubin, ptx = Path(folder) / "kernel.cubin", Path(folder) / "kernel.ptx"
+        cubin.write_bytes(compiled.asm["cubin"])
+        ptx.write_text(compiled.asm["ptx"])
+        dump = lambda flag: subprocess.run([TOOLS / "cuobjdump", flag, cubin], capture_output=True, text=True, check=True).stdout  # noqa: E731
+        # ptxas explains what it could not schedule (as Triton compiled it; Triton keeps the log to itself)
+        log = subprocess.run([get_ptxas(arch).path, f"--gpu-name=sm_{arch}a", "-v", ptx, "-o", Path(folder) / "again.cubin"],
+                             capture_output=True, text=True, check=True)
+        text = log.stdout + log.stderr
+        notes = [line[line.index(PTXAS_NOTE):] for line in text.splitlines() if PTXAS_NOTE in line]
+        notes += [f"{SPILL_NOTE} {spilled} bytes" for spilled in re.findall(r"(\d+) bytes spill stores", text) if int(spilled)]
+        return dump("-sass") + (dump("-res-usage") if usage else "") + "".join(note + "\n" for note in notes)
+
+
+PTXAS_NOTE = "Potential Performance Loss:"
+SPILL_NOTE = "Registers spilled to local memory:"
+
+
+def notes(machine_code: str, kind: str = PTXAS_NOTE) -> list[str]:
+    """ptxas' performance warnings for the kernel (PTXAS_NOTE), such as wgmma serialized
+    (C7515: each tensor-core product waits for the one before, so decoding the next tile
+    cannot overlap it); or its register spills (SPILL_NOTE)."""
+    return [line for line in machine_code.splitlines() if line.startswith(kind)]
 
 
 def opcodes(machine_code: str) -> collections.Counter:
@@ -150,23 +169,29 @@ def weights_per_thread(constexprs: dict, threads: int = 4 * 32) -> int:
     return constexprs["BLOCK_N"] * columns // threads
 
 
-def compiles(module, name: str, constexprs: dict, activations: str) -> dict:
-    """Keep only the constexprs the kernel takes (an earlier version may lack SPLIT_K or
-    CODEBOOK); empty if the case needs a setting the kernel lacks."""
+def compiles(module, name: str, constexprs: dict, activations: str, aligned: bool = False) -> str:
+    """The case's machine code. Keep only the constexprs the kernel takes (an earlier version
+    may lack SPLIT_K or CODEBOOK); empty if the case needs a setting the kernel lacks."""
     kernel = getattr(module, name)
     if name.startswith("_grid") and constexprs["BITS"] == 3 and not hasattr(module, "unit_words"):
-        return {}  # grid kernels before 3-bit units took whole codes per word only
+        return ""  # grid kernels before 3-bit units took whole codes per word only
     taken = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
     if any(constexprs[key] is not NEUTRAL.get(key) for key in constexprs.keys() - taken.keys()):
-        return {}
-    return opcodes(sass(kernel, taken, activations))
+        return ""
+    return sass(kernel, taken, activations, aligned=aligned)
+
+
+def wgmma_waits(body: collections.Counter) -> int:
+    """Waits for tensor-core products in a loop body (`WARPGROUP.DEPBAR`): one per group that
+    Triton pipelines, or one per product where ptxas serialized them."""
+    return sum(n for op, n in body.items() if op.startswith("WARPGROUP.DEPBAR"))
 
 
 def layouts(kernel: str, out: Path, bits: int = 4, baseline: Path | None = None) -> None:
     """The served int4 (or `bits`) GEMV or GEMM (`kernel`; group 128, fp16 x; PTX decodes and
     whole blocks), compiled aligned as on 4096-wide layers, at each launch shape the
     autotuner may pick, in unit order and interleaved: the K loop's instructions, its memory
-    instructions by width (shared-memory round trips and barriers included) and registers.
+    instructions by width (shared-memory round trips and barriers included), registers and spills.
     Static counts: speed is measured on a GPU. baseline: an earlier packed_int.py, whose loop
     at the same launch shape is counted beside (compiled with the settings it takes)."""
     gemv, compiled = kernel == "gemv", getattr(packed_int, f"_grid_{kernel}_kernel")
@@ -184,11 +209,16 @@ def layouts(kernel: str, out: Path, bits: int = 4, baseline: Path | None = None)
             rows.append({"launch": f"{block}, split {launch['SPLIT_K']}, {config.num_warps} warps", "layout": "interleaved" if interleaved else "unit order",
                          "registers": int(re.search(r"REG:(\d+)", code).group(1)),
                          "words_per_thread": launch["BLOCK_N"] * launch["WORDS"] // (32 * config.num_warps),
-                         "loop_instructions": sum(body.values()), "loop_memory": memory})
+                         "loop_instructions": sum(body.values()), "loop_memory": memory,
+                         "spilled_bytes": sum(int(note.split()[-2]) for note in notes(code, SPILL_NOTE))})
+            if not gemv:
+                rows[-1]["wgmma_waits"] = wgmma_waits(body)
             if earlier is not None:
                 old = sass(earlier, {key: value for key, value in constexprs.items() if key in earlier.arg_names},
                            num_warps=config.num_warps, num_stages=config.num_stages, aligned=True)
                 rows[-1]["baseline_loop_instructions"] = len(loop_body(old))
+                if not gemv:
+                    rows[-1]["baseline_wgmma_waits"] = wgmma_waits(collections.Counter(loop_body(old)))
             print(json.dumps(rows[-1]), flush=True)
     what = "GEMV (PTX decode, whole blocks)" if gemv else "GEMM"
     report = {"target": f"sm_90 (H100), fp16 x, int{bits} symmetric group 128, {what}", "triton": triton.__version__,
@@ -198,13 +228,17 @@ def layouts(kernel: str, out: Path, bits: int = 4, baseline: Path | None = None)
     axes = "rows x words" if gemv else "batch rows x rows x words"
     lines = [f"The int{bits} {kernel.upper()}'s loop over K as compiled for {report['target']}, Triton {report['triton']} "
              f"(`python benchmarks/kernel_sass.py --{kernel}-layouts" + (f" --bits {bits}" if bits != 4 else "") + "`): instructions in the loop body, its memory instructions by width, "
-             "and registers. STS/STSM, LDS/LDSM and BAR are shared-memory traffic"
-             + (" (x moved into the words' layout)" if gemv else " (tiles on their way to the tensor cores)") + ". Static counts, not timings.", "",
-             f"| launch shape ({axes}) | layout | registers | words a thread loads per iteration | loop instructions | "
-             + (f"loop instructions, {baseline.name} | " if baseline else "") + "memory instructions in the loop |",
-             "|---|---|---|---|---|" + ("---|" if baseline else "") + "---|"]
-    lines += [f"| {r['launch']} | {r['layout']} | {r['registers']} | {r['words_per_thread']} | {r['loop_instructions']} | "
+             "registers and register spills. STS/STSM, LDS/LDSM and BAR are shared-memory traffic"
+             + (" (x moved into the words' layout)" if gemv else " (tiles on their way to the tensor cores); a wgmma wait holds the "
+                "warps until a tensor-core product is done (one per HGMMA: ptxas serialized them)") + ". Static counts, not timings.", "",
+             f"| launch shape ({axes}) | layout | registers | bytes spilled | words a thread loads per iteration | loop instructions | "
+             + (f"loop instructions, {baseline.name} | " if baseline else "")
+             + ("" if gemv else "wgmma waits in the loop | " + (f"wgmma waits, {baseline.name} | " if baseline else ""))
+             + "memory instructions in the loop |",
+             "|---|---|---|---|---|---|" + ("---|" if baseline else "") + ("" if gemv else "---|" * (2 if baseline else 1)) + "---|"]
+    lines += [f"| {r['launch']} | {r['layout']} | {r['registers']} | {r['spilled_bytes']} | {r['words_per_thread']} | {r['loop_instructions']} | "
               + (f"{r['baseline_loop_instructions']} | " if baseline else "")
+              + ("" if gemv else f"{r['wgmma_waits']} | " + (f"{r['baseline_wgmma_waits']} | " if baseline else ""))
               + ", ".join(f"{op} {n}" for op, n in r["loop_memory"].items()) + " |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -224,15 +258,24 @@ def main() -> None:
         kernel = "gemv" if args.gemv_layouts else "gemm"
         return layouts(kernel, args.out.with_name(f"{kernel}_layouts_sass" + (f"_int{args.bits}" if args.bits != 4 else "")), args.bits, args.baseline)
     if args.check:
-        failed = []
+        failed, spilled = [], []
         for title, name, constexprs in CASES:
-            for activations in ("fp16", "bf16", "fp32"):
+            # each kind of activation; fp16 GEMMs also as launched on aligned layers (4096 wide),
+            # where ptxas schedules the tensor-core loop differently
+            for activations, aligned in [("fp16", False), ("bf16", False), ("fp32", False)] + [("fp16", True)] * ("GEMM" in title):
                 try:
-                    compiles(packed_int, name, constexprs, activations)
+                    code = compiles(packed_int, name, constexprs, activations, aligned)
+                    case = f"{title} ({activations}{', aligned' * aligned})"
+                    failed += [f"{case}: {note}" for note in notes(code)]
+                    spilled += [f"{case}: {note}" for note in notes(code, SPILL_NOTE)]
                 except Exception as error:  # noqa: BLE001  (any compiler error is the finding)
                     cause = error.__cause__ or error  # a CompilationError quotes the source; its cause says what failed
                     failed.append(f"{title} ({activations}): {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}")
-        print("\n".join(failed) or f"all {len(CASES)} kernel paths compile for sm_90 with fp16, bf16 and fp32 activations")
+        # spills are reported, not failed: they depend on the launch shape, which the tuner times
+        print("\n".join(spilled + failed) or "no register spills at these launch shapes")
+        if not failed:
+            print(f"all {len(CASES)} kernel paths compile for sm_90 with fp16, bf16 and fp32 activations "
+                  "(GEMMs aligned too), with no performance warning from ptxas")
         raise SystemExit(1 if failed else 0)
 
     versions = {"new": packed_int}
@@ -241,7 +284,7 @@ def main() -> None:
     watched = ["I2F", "I2FP", "F2F", "F2FP", "FFMA", "FADD", "HADD2", "HFMA2", "HMUL2", "LOP3", "SHF", "PRMT", "LDG", "HGMMA", "REDG", "ATOMG"]
     rows = []
     for title, name, constexprs in CASES:
-        counts = {version: compiles(module, name, constexprs, "fp16") for version, module in versions.items()}
+        counts = {version: opcodes(compiles(module, name, constexprs, "fp16")) for version, module in versions.items()}
         row = {"kernel": title, "weights_per_thread": weights_per_thread(constexprs)}
         for version, ops in counts.items():
             if ops:

@@ -520,11 +520,18 @@ def _split_k_fits(configs: list, named_args: dict, **kwargs) -> list:
 
 
 @triton.jit
-def _k_slice(index, total_units, UNITS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The units [start, end) that slice `index` of K covers, in whole blocks of UNITS."""
-    span = tl.cdiv(tl.cdiv(total_units, SPLIT_K), UNITS) * UNITS
-    start = index * span
-    return start, tl.minimum(start + span, total_units)
+def _k_slice(total_units, UNITS: tl.constexpr, AXIS: tl.constexpr):
+    """The units [start, end) that this program's slice of K covers: K's blocks of UNITS units
+    shared out evenly among the programs along grid axis AXIS, which are never more than the
+    blocks (`k_slices`), so no slice is empty. Saying so (tl.assume) lets the compiler drop the
+    path that skips the loop: LLVM placed its zeroed accumulator after the loop, and ptxas then
+    serialized every wgmma of the GEMM on sm_90 (C7515; benchmarks/kernel_sass.py --check)."""
+    blocks = tl.cdiv(total_units, UNITS)
+    index, slices = tl.program_id(AXIS), tl.num_programs(AXIS)
+    start = index * blocks // slices * UNITS
+    end = tl.minimum((index + 1) * blocks // slices * UNITS, total_units)
+    tl.assume(end > start)
+    return start, end
 
 
 @triton.jit
@@ -904,7 +911,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     stored = K // SHARE
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
-    start, end = _k_slice(tl.program_id(1), tl.cdiv(stored, CODES), UNITS, SPLIT_K)
+    start, end = _k_slice(tl.cdiv(stored, CODES), UNITS, AXIS=1)
     for u0 in range(start, end, UNITS):
         u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
         first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)
@@ -973,7 +980,7 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    start, end = _k_slice(tl.program_id(2), tl.cdiv(stored, CODES), UNITS, SPLIT_K)
+    start, end = _k_slice(tl.cdiv(stored, CODES), UNITS, AXIS=2)
     for u0 in range(start, end, UNITS):
         u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
         first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)
@@ -1028,12 +1035,24 @@ GEMM_CONFIGS = [
 ]
 
 
+def _k_blocks(K: int, meta: dict) -> tuple[int, bool]:
+    """K's blocks for a launch shape (`meta`: BITS, WORDS, SPARSE24), and whether all are whole:
+    stored columns in whole units, units in whole blocks."""
+    sparse, codes = meta["SPARSE24"], unit_codes(meta["BITS"])
+    stored = K // (2 if sparse else 1)
+    units, block = triton.cdiv(stored, codes), block_units(meta["BITS"], meta["WORDS"], sparse)
+    return triton.cdiv(units, block), stored % codes == 0 and units % block == 0
+
+
 def _whole_blocks(args: dict) -> bool:
-    """Whether every block of the GEMV's K slices is whole: stored columns in whole units, units
-    in whole blocks per slice (then no word needs a mask along K)."""
-    sparse = args["SPARSE24"]
-    stored, codes = args["K"] // (2 if sparse else 1), unit_codes(args["BITS"])
-    return stored % codes == 0 and (stored // codes) % (block_units(args["BITS"], args["WORDS"], sparse) * args["SPLIT_K"]) == 0
+    """Whether every block of K is whole (slices start at block boundaries): then no word needs
+    a mask along K."""
+    return _k_blocks(args["K"], args)[1]
+
+
+def k_slices(K: int, meta: dict) -> int:
+    """Programs along K for a launch shape: SPLIT_K, or one a block where K has fewer blocks."""
+    return min(meta["SPLIT_K"], _k_blocks(K, meta)[0])
 
 
 _grid_gemv = triton.heuristics({"EVEN": _whole_blocks})(_grid_gemv_kernel)
@@ -1068,10 +1087,10 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
         if config.pre_hook is not None:
             config.pre_hook({"y_ptr": y})
     if M == 1:
-        grid = lambda meta: (triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+        grid = lambda meta: (triton.cdiv(weight.rows, meta["BLOCK_N"]), k_slices(K, meta))  # noqa: E731
         kernel[grid](x, *tensors, y, weight.rows, K, *strides, **flags, PTX=x.is_cuda, **settings)
     else:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(weight.rows, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(weight.rows, meta["BLOCK_N"]), k_slices(K, meta))  # noqa: E731
         kernel[grid](x, *tensors, y, M, weight.rows, K, x.stride(0), *strides, y.stride(0),
                      M_BUCKET=min(triton.next_power_of_2(M), 128), **flags, PTX=x.is_cuda, **settings)
     return y
