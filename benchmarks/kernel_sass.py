@@ -67,9 +67,10 @@ def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, nu
         cubin.write_bytes(compiled.asm["cubin"])
         ptx.write_text(compiled.asm["ptx"])
         dump = lambda flag: subprocess.run([TOOLS / "cuobjdump", flag, cubin], capture_output=True, text=True, check=True).stdout  # noqa: E731
-        # ptxas explains what it could not schedule (as Triton compiled it; Triton keeps the log to itself)
-        log = subprocess.run([get_ptxas(arch).path, f"--gpu-name=sm_{arch}a", "-v", ptx, "-o", Path(folder) / "again.cubin"],
-                             capture_output=True, text=True, check=True)
+        # ptxas explains what it could not schedule and what it spilled; Triton keeps the log to
+        # itself, so ptxas runs again with the options Triton 3.9 gives it (make_cubin)
+        log = subprocess.run([get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{arch}a", ptx,
+                              "-o", Path(folder) / "again.cubin"], capture_output=True, text=True, check=True)
         text = log.stdout + log.stderr
         notes = [line[line.index(PTXAS_NOTE):] for line in text.splitlines() if PTXAS_NOTE in line]
         notes += [f"{SPILL_NOTE} {spilled} bytes" for spilled in re.findall(r"(\d+) bytes spill stores", text) if int(spilled)]
