@@ -170,16 +170,21 @@ def weights_per_thread(constexprs: dict, threads: int = 4 * 32) -> int:
     return constexprs["BLOCK_N"] * columns // threads
 
 
+def taken(kernel, constexprs: dict) -> dict:
+    """The constexprs a kernel takes (an earlier version may lack some)."""
+    return {key: value for key, value in constexprs.items() if key in kernel.arg_names}
+
+
 def compiles(module, name: str, constexprs: dict, activations: str, aligned: bool = False) -> str:
     """The case's machine code. Keep only the constexprs the kernel takes (an earlier version
     may lack SPLIT_K or CODEBOOK); empty if the case needs a setting the kernel lacks."""
     kernel = getattr(module, name)
     if name.startswith("_grid") and constexprs["BITS"] == 3 and not hasattr(module, "unit_words"):
         return ""  # grid kernels before 3-bit units took whole codes per word only
-    taken = {key: value for key, value in constexprs.items() if key in kernel.arg_names}
-    if any(constexprs[key] is not NEUTRAL.get(key) for key in constexprs.keys() - taken.keys()):
+    settings = taken(kernel, constexprs)
+    if any(constexprs[key] is not NEUTRAL.get(key) for key in constexprs.keys() - settings.keys()):
         return ""
-    return sass(kernel, taken, activations, aligned=aligned)
+    return sass(kernel, settings, activations, aligned=aligned)
 
 
 def wgmma_waits(body: collections.Counter) -> int:
@@ -202,8 +207,7 @@ def layouts(kernel: str, out: Path, bits: int = 4, baseline: Path | None = None)
         launch = config.kwargs
         for interleaved in (False, True):
             constexprs = dict(GRID, BITS=bits, INTERLEAVED=interleaved, PTX=True, EVEN=True, **launch)
-            code = sass(compiled, {key: value for key, value in constexprs.items() if key in compiled.arg_names},
-                        num_warps=config.num_warps, num_stages=config.num_stages, aligned=True, usage=True)
+            code = sass(compiled, taken(compiled, constexprs), num_warps=config.num_warps, num_stages=config.num_stages, aligned=True, usage=True)
             body = collections.Counter(loop_body(code))
             memory = {op: body[op] for op in sorted(body) if op.split(".")[0] in ("LDG", "LDGSTS", "STS", "STSM", "LDS", "LDSM", "BAR")}
             block = " x ".join(str(launch[key]) for key in ("BLOCK_M", "BLOCK_N", "WORDS") if key in launch)
@@ -215,8 +219,7 @@ def layouts(kernel: str, out: Path, bits: int = 4, baseline: Path | None = None)
             if not gemv:
                 rows[-1]["wgmma_waits"] = wgmma_waits(body)
             if earlier is not None:
-                old = sass(earlier, {key: value for key, value in constexprs.items() if key in earlier.arg_names},
-                           num_warps=config.num_warps, num_stages=config.num_stages, aligned=True)
+                old = sass(earlier, taken(earlier, constexprs), num_warps=config.num_warps, num_stages=config.num_stages, aligned=True)
                 rows[-1]["baseline_loop_instructions"] = len(loop_body(old))
                 if not gemv:
                     rows[-1]["baseline_wgmma_waits"] = wgmma_waits(collections.Counter(loop_body(old)))
@@ -264,14 +267,14 @@ def main() -> None:
             # each kind of activation; fp16 GEMMs also as launched on aligned layers (4096 wide),
             # where ptxas schedules the tensor-core loop differently
             for activations, aligned in [("fp16", False), ("bf16", False), ("fp32", False)] + [("fp16", True)] * ("GEMM" in title):
+                case = f"{title} ({activations}{', aligned' * aligned})"
                 try:
                     code = compiles(packed_int, name, constexprs, activations, aligned)
-                    case = f"{title} ({activations}{', aligned' * aligned})"
                     failed += [f"{case}: {note}" for note in notes(code)]
                     spilled += [f"{case}: {note}" for note in notes(code, SPILL_NOTE)]
                 except Exception as error:  # noqa: BLE001  (any compiler error is the finding)
                     cause = error.__cause__ or error  # a CompilationError quotes the source; its cause says what failed
-                    failed.append(f"{title} ({activations}): {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}")
+                    failed.append(f"{case}: {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}")
         # spills are reported, not failed: they depend on the launch shape, which the tuner times
         print("\n".join(spilled + failed) or "no register spills at these launch shapes")
         if not failed:
