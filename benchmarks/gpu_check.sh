@@ -59,7 +59,7 @@ fi
 if [[ " $STEPS " == *" speed "* ]]; then
     baseline=()
     [ -f .gpu-baseline/packed_int.py ] && baseline=(--baseline .gpu-baseline/packed_int.py)
-    python3 benchmarks/kernel_speed.py --out "$OUT/kernel_speed" ${baseline[@]+"${baseline[@]}"} ${SPEED_ARGS:-} >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
+    python3 benchmarks/kernel_speed.py --out "$OUT/kernel_speed" --compile-workers "${COMPILE_WORKERS:-14}" ${baseline[@]+"${baseline[@]}"} ${SPEED_ARGS:-} >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     cat "$OUT/kernel_speed.md" 2>/dev/null
 fi
 if [[ " $STEPS " == *" latency "* ]]; then

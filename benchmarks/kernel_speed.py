@@ -24,6 +24,7 @@ roof for a memory-bound GEMV. Results: benchmarks/results/kernel_speed.{json,md}
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import sys
@@ -62,6 +63,50 @@ def load_kernels(path: Path):
     return module
 
 
+@functools.lru_cache(maxsize=None)
+def _kernels(path: str | None):
+    return packed_int if path is None else load_kernels(Path(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _small_weight(kind: str, k: int) -> PackedWeight:
+    return random_packed(kind, 256, k, "cuda")
+
+
+def _compile_launch_shape(task: tuple) -> bool:
+    """Runs one launch shape the autotuner may time, for one (kernels, kind, K, batch), once, on
+    a weight of 256 rows: what Triton caches on disk for it is what the timed run then loads
+    (its cache key holds the constexprs and which ints are multiples of 16, not N itself).
+    False where the GPU cannot hold the tile (the tuner times it as infinite)."""
+    from triton.runtime.errors import OutOfResources
+
+    path, kind, k, batch, index = task
+    module = _kernels(path)
+    config = (module.GEMV_CONFIGS if batch == 1 else module.GEMM_CONFIGS)[index]
+    x = torch.randn(batch, k, device="cuda", dtype=torch.float16)
+    try:
+        module._grid_matmul(x, _small_weight(kind, k), torch.empty(batch, 256, device="cuda", dtype=torch.float16), config)
+    except OutOfResources:
+        return False
+    return True
+
+
+def precompile(tasks: list[tuple], workers: int) -> None:
+    """Triton's autotuner compiles the launch shapes it times one after another, a few seconds
+    each for the GEMMs; compiling them first in parallel processes (one CUDA context each) makes
+    a GPU lease go several times further. Kinds whose kernels a baseline version lacks fail in
+    its process only, and are left to the tuner."""
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    start = time.perf_counter()
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(_compile_launch_shape, task) for task in tasks]
+        ran = sum(future.exception() is None and future.result() for future in futures)
+    print(f"precompiled {ran} of {len(tasks)} launches in {time.perf_counter() - start:.0f} s on {workers} processes", flush=True)
+
+
 def copy_bandwidth(device) -> float:
     """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -79,12 +124,13 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="another version of compressors/packed_int.py to time side by side")
     parser.add_argument("--baseline-kinds", help="time the baseline on these kinds only (default: every kind)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_speed")
+    parser.add_argument("--compile-workers", type=int, default=0, help="compile every launch shape first in this many processes (0: let the tuner compile)")
     args = parser.parse_args()
 
     kinds = tuple(args.kinds.split(","))
     versions = {"": matmul_triton}  # column prefix -> the kernels' entry point
     if args.baseline is not None:
-        versions["baseline_"] = load_kernels(args.baseline).matmul_triton
+        versions["baseline_"] = _kernels(str(args.baseline)).matmul_triton
 
     def timed(kind: str, weight: PackedWeight) -> dict:
         """The versions to run on this weight: a baseline's kernels read unit order only, and
@@ -105,6 +151,13 @@ def main() -> None:
         raise SystemExit("kernel speed needs a CUDA GPU (the CPU only interprets Triton); use --smoke to check the script")
 
     device = torch.device("cuda")
+    if args.compile_workers:
+        ks = sorted({int(shape.split("x")[1]) for shape in args.shapes.split(",")})
+        paths = [None] + ([str(args.baseline)] if args.baseline is not None else [])
+        tasks = [(path, kind, k, batch, index) for path in paths for kind in kinds for k in ks for batch in map(int, args.batches.split(","))
+                 for index in range(len((_kernels(path).GEMV_CONFIGS if batch == 1 else _kernels(path).GEMM_CONFIGS)))
+                 if path is None or (not kind.endswith("-interleaved") and (not args.baseline_kinds or kind in args.baseline_kinds.split(",")))]
+        precompile(tasks, args.compile_workers)
     try:
         import bitsandbytes
         import bitsandbytes.functional as bnb
