@@ -56,8 +56,8 @@ def _self_check_weights(device: torch.device) -> list[PackedWeight]:
     """Small weights of each decoding path: 4-bit symmetric (the whole-word kernels), 3-bit
     asymmetric in groups of 40 (the general kernels: codes straddle words and groups), 3-bit
     in groups of 32 and a 3-bit codebook (the whole-unit kernels: 32 codes in 3 words), 2:4
-    sparse with fp16 values (general) or 4-bit values (whole-word), and with
-    LMPRESS_INTERLEAVE=1 4-bit interleaved."""
+    sparse with fp16 values (general) or 4-bit values (whole-word), and 4-bit interleaved
+    unless LMPRESS_INTERLEAVE=0."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from compressors.packed_int import pack_sparse24
@@ -76,13 +76,13 @@ def _self_check_weights(device: torch.device) -> list[PackedWeight]:
     values, bitmask = pack_sparse24(torch.randn(48, 80, generator=generator).half(), keep.reshape(48, 80))
     weights.append(PackedWeight(values, None, 16, 80, bitmask=bitmask))
     weights.append(PackedWeight(codes(4)[:, :5], scale()[:, :1], 4, 80, bitmask=bitmask))
-    if serve_interleaved():  # checked only where asked for, so that an opt-in path cannot take the kernel from unit order
+    if interleave_setting() != "0":  # checked only where it may serve, so that turning it off cannot take the kernel from unit order
         weights.append(PackedWeight(codes(4, 64), scale(), 4, 64).interleave())
     return [weight.to(device) for weight in weights]
 
 
 def self_check(kernel: Kernel, device: torch.device) -> bool:
-    key = (kernel.name, str(device), serve_interleaved())
+    key = (kernel.name, str(device), interleave_setting())
     if key not in _self_checked:
         generator = torch.Generator().manual_seed(1)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -138,33 +138,46 @@ def select_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
     return next((k for k in KERNELS if k.supports(weight) and self_check(k, device)), None)
 
 
-def serve_interleaved() -> bool:
-    """Whether CUDA serving repacks weights into the interleaved layout (`interleave_order`):
-    opt-in with LMPRESS_INTERLEAVE=1 until it is timed against unit order on a GPU
-    (benchmarks/kernel_speed.py --kinds int4,int4-interleaved). In it each GEMM thread decodes
-    whole words straight into its tensor-core fragment, where unit order reorders the tile
-    through shared memory: compiled for sm_90, the int4 GEMM's loop is 23-34% shorter at every
-    launch shape, and the GEMV's within 4% of unit order's (benchmarks/results/
-    gemm_layouts_sass.md, gemv_layouts_sass.md); faster is not yet shown."""
-    return os.environ.get("LMPRESS_INTERLEAVE") == "1"
+def interleave_setting() -> str:
+    """LMPRESS_INTERLEAVE: unset ("auto") serves each stored kind in the layout it was timed
+    fastest in (`serves_interleaved`); "1" interleaves every weight that can be, "0" none."""
+    return {"0": "0", "1": "1"}.get(os.environ.get("LMPRESS_INTERLEAVE", ""), "auto")
+
+
+def serves_interleaved(weight: PackedWeight) -> bool:
+    """Whether CUDA serving repacks `weight` into the interleaved layout (`interleave_order`).
+    By default grids of 4 and 8 bits. Timed on an H100 at 4096x4096, 4096x14336 and 14336x4096
+    (benchmarks/results/kernel_speed_h100.md), their GEMM (batch 16 and 64) ran 1.12-1.52x
+    faster interleaved at 16 of 18 rows, where each thread decodes whole words straight into its
+    tensor-core fragment instead of reordering the tile through shared memory (int8 4096x14336
+    batch 16 even, int4 4096x4096 batch 16 0.83x); their GEMV (batch 1) 0.84-1.18x, 4-bit
+    faster at the two large shapes, 8-bit even. 3-bit grids and codebooks ran as fast or slower
+    interleaved (0.53-1.04x), so they keep unit order, as do 2-bit grids (not timed)."""
+    setting = interleave_setting()
+    if setting == "0" or weight.interleaved or not weight.can_interleave():
+        return False
+    return setting == "1" or (weight.codebook is None and weight.bits in (4, 8))
 
 
 def serving_layout(weight: PackedWeight, device: torch.device) -> PackedWeight:
     """The weight as its kernel serves it on `device` (PackedLinear and `lmpress validate`)."""
-    if device.type == "cuda" and serve_interleaved() and not weight.interleaved and weight.can_interleave():
-        return weight.interleave()
-    return weight
+    return weight.interleave() if device.type == "cuda" and serves_interleaved(weight) else weight
 
 
 def serving_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
-    """The kernel a PackedLinear runs `weight` with on `device`; None is the dense path (the
-    CPU, where the dequantized weight is cached, or a weight no kernel takes)."""
-    return select_kernel(weight, device) if device.type == "cuda" else None
+    """The kernel a PackedLinear runs `weight` with on `device`; None is the dense path, from a
+    cached dequantized copy: on the CPU, for a weight no kernel takes, and for 2:4 weights with
+    fp16 values, whose kernel ran 5-20x slower than dense fp16 on an H100 (and torch's own 2:4
+    path 0.5-1.0x; benchmarks/results/kernel_speed_h100.md), so a dense copy serves them fastest."""
+    if device.type != "cuda" or (weight.bitmask is not None and weight.bits == 16):
+        return None
+    return select_kernel(weight, device)
 
 
 class PackedLinear(nn.Module):
     """A linear whose weight stays packed: Triton kernel on CUDA, torch reference elsewhere
-    (where the dequantized weight is cached: the CPU has no use for the packed form). At its
+    (where the dequantized weight is cached: the CPU has no use for the packed form), and for
+    the weights `serving_kernel` serves dense on CUDA too. At its
     first CUDA call (a repack synchronizes: not inside graph capture) it takes the layout its
     kernel serves (`serving_layout`), in place: `interleaved` then says its `packed` buffer is
     in that layout. Its state dict is always the artifact's layout, saved and loaded."""
@@ -205,8 +218,9 @@ class PackedLinear(nn.Module):
         if index is not None:
             out = KERNELS[index].run(flat, self.weight_packed)
         else:
-            if self._dense is None or self._dense.device != flat.device:
-                self._dense = packed_int.dequantize_reference(self.weight_packed)
+            dtype = torch.float32 if flat.device.type == "cpu" else flat.dtype  # a GPU's copy in the activations' dtype: tensor cores, half the memory
+            if self._dense is None or self._dense.device != flat.device or self._dense.dtype != dtype:
+                self._dense = packed_int.dequantize_reference(self.weight_packed).to(dtype)
             out = nn.functional.linear(flat.to(self._dense.dtype), self._dense)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias

@@ -156,8 +156,8 @@ def serving_module(level: str, rows: int, columns: int, dtype: torch.dtype, devi
         weight = random_packed_weight(bits, rows, columns, group_size, "2:4 symmetric" if sparse24 else "symmetric").to(device)
         kernel = serving_kernel(weight, device)
         module = PackedLinear(weight, None).to(device)
-        if kernel is None:  # every level runs the same code on a dense (fp32) copy: one path, one measurement
-            return module, "PackedLinear's dense copy", rows * columns * 4
+        if kernel is None:  # every level runs the same code on a dense copy (fp32 on the CPU): one path, one measurement
+            return module, "PackedLinear's dense copy", rows * columns * 4 if device.type == "cpu" else dense_bytes
         return module, f"{kernel.name} ({weight.kind}, {bits}-bit, group {group_size})", weight.nbytes
     # dense, and unstructured sparsity: no kernel skips scattered zeros, so it is served dense
     return nn.Linear(columns, rows, bias=False, device=device, dtype=dtype), "dense", dense_bytes

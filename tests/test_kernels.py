@@ -316,20 +316,40 @@ def test_interleaving_applies_only_where_a_tile_fits(tmp_path):
     assert back.interleaved and torch.equal(dequantize_reference(back), dequantize_reference(weight.to("cpu")))
 
 
-def test_serving_layout_is_opt_in_and_for_cuda_only(monkeypatch):
-    """Unit order serves unless LMPRESS_INTERLEAVE=1 asks for the interleaved layout, which
-    only the CUDA kernels read (the CPU serves a dense copy)."""
+def test_serving_layout_interleaves_4_and_8_bit_grids_on_cuda_only(monkeypatch):
+    """CUDA serves 4- and 8-bit grids interleaved (timed faster), 3-bit grids, codebooks and
+    2:4 weights in unit order; LMPRESS_INTERLEAVE=0 turns it off, =1 interleaves every weight
+    that can be; the CPU serves a dense copy, so it never repacks."""
     from compressors.kernels import serving_layout
 
-    weight = random_packed(4, 8, 128, 32)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    int4, int8 = random_packed(4, 8, 128, 32, "asymmetric"), random_packed(8, 8, 64, 32)
+    int3, codebook, sparse = random_packed(3, 8, 256, 128), random_packed(4, 8, 128, None, "codebook"), random_packed(4, 8, 64, 32, "2:4 symmetric")
     monkeypatch.delenv("LMPRESS_INTERLEAVE", raising=False)
-    assert serving_layout(weight, torch.device("cuda")) is weight
+    for weight in (int4, int8):
+        served = serving_layout(weight, cuda)
+        assert served.interleaved and torch.equal(dequantize_reference(served), dequantize_reference(weight))
+        assert serving_layout(served, cuda) is served and serving_layout(weight, cpu) is weight
+    for weight in (int3, codebook, sparse):
+        assert serving_layout(weight, cuda) is weight
+    monkeypatch.setenv("LMPRESS_INTERLEAVE", "0")
+    assert serving_layout(int4, cuda) is int4
     monkeypatch.setenv("LMPRESS_INTERLEAVE", "1")
-    assert serving_layout(weight, torch.device("cpu")) is weight
-    served = serving_layout(weight, torch.device("cuda"))
-    assert served.interleaved and torch.equal(dequantize_reference(served), dequantize_reference(weight))
-    sparse = random_packed(4, 8, 64, 32, "2:4 symmetric")
-    assert serving_layout(sparse, torch.device("cuda")) is sparse
+    assert serving_layout(int3, cuda).interleaved and serving_layout(codebook, cuda).interleaved
+    assert serving_layout(sparse, cuda) is sparse and serving_layout(int3, cpu) is int3
+
+
+def test_fp16_2_4_weights_serve_from_a_dense_copy():
+    """On CUDA a 2:4 weight with fp16 values takes the dense path (its kernel was timed 5-20x
+    slower than dense fp16), as every weight does on the CPU; quantized 2:4 weights keep their
+    kernel (choosing it needs a GPU's self-check, so only the fp16 case is decided here)."""
+    from compressors.kernels import serving_kernel
+
+    sparse_fp16 = random_packed(16, 8, 64, None, "2:4 fp16")
+    assert serving_kernel(sparse_fp16, torch.device("cuda")) is None and serving_kernel(sparse_fp16, torch.device("cpu")) is None
+    linear = PackedLinear(sparse_fp16, None)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(linear(x), x @ dequantize_reference(sparse_fp16).T)
 
 
 def test_a_repacked_linear_saves_and_loads_the_artifacts_layout():
