@@ -10,11 +10,12 @@
 #             with .gpu-baseline/packed_int.py (an earlier version of the kernels, e.g.
 #             `git show REV:compressors/packed_int.py`) it is timed side by side too;
 #   latency   `lmpress latency --random-weights` on the GPU: the table `search --budget-latency`
-#             counts in, from a model's config.json and a level database's manifest.json alone
+#             counts in (its launches compiled first, in parallel: kernel_speed.py --levels),
+#             from a model's config.json and a level database's manifest.json alone
 #             (the weights do not travel), prepared here with
 #               mkdir -p .gpu-latency/model .gpu-latency/levels
 #               cp ~/.cache/lmpress/models/smollm2-135m/config.json .gpu-latency/model/
-#               cp artifacts/levels-joint/manifest.json .gpu-latency/levels/
+#               cp artifacts/levels/manifest.json .gpu-latency/levels/     (the pipeline's database, or another)
 # Reports go to $OUT (default /tmp/lmpress-gpu), the full log to $OUT/gpu_check.log. Packages the
 # machine lacks (compressed-tensors, bitsandbytes and their needs) may be carried as wheels in .whl/.
 #
@@ -64,6 +65,8 @@ if [[ " $STEPS " == *" speed "* ]]; then
 fi
 if [[ " $STEPS " == *" latency "* ]]; then
     if [ -f "$LATENCY/model/config.json" ] && [ -f "$LATENCY/levels/manifest.json" ]; then
+        # the tuner would compile each level's launches one after another (over 200 s on an H100)
+        python3 benchmarks/kernel_speed.py --levels "$LATENCY/levels" --batches 1 --compile-workers "${COMPILE_WORKERS:-14}" >>"$LOG" 2>&1
         python3 -m pipelines.cli latency --model "$LATENCY/model" --levels "$LATENCY/levels" --random-weights --device cuda \
             --out "$OUT/latency.json" >>"$LOG" 2>&1 || status=1
         tail -4 "$LOG"

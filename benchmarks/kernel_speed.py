@@ -46,11 +46,18 @@ KINDS = {
 }
 
 
-def random_packed(kind: str, n: int, k: int, device, group: int = 128) -> PackedWeight:
-    """A kind of KINDS; with "-interleaved" (int4-interleaved, ...) in the interleaved layout."""
+def kind_spec(kind: str, group: int = 128) -> tuple:
+    """(bits, stored kind, group, interleaved) of a kind of KINDS; with "-interleaved"
+    (int4-interleaved, ...) in the interleaved layout."""
     bits, stored = KINDS[kind.removesuffix("-interleaved")]
-    weight = random_packed_weight(bits, n, k, None if stored == "codebook" else group, stored)
-    return (weight.interleave() if kind.endswith("-interleaved") else weight).to(device)
+    return bits, stored, None if stored == "codebook" else group, kind.endswith("-interleaved")
+
+
+def random_packed(spec: "str | tuple", n: int, k: int, device) -> PackedWeight:
+    """A random N x K weight of a kind of KINDS, or of a `kind_spec` tuple."""
+    bits, stored, group, interleaved = kind_spec(spec) if isinstance(spec, str) else spec
+    weight = random_packed_weight(bits, n, k, group, stored)
+    return (weight.interleave() if interleaved else weight).to(device)
 
 
 def load_kernels(path: Path):
@@ -69,26 +76,51 @@ def _kernels(path: str | None):
 
 
 @functools.lru_cache(maxsize=4)
-def _small_weight(kind: str, k: int) -> PackedWeight:
-    return random_packed(kind, 256, k, "cuda")
+def _small_weight(spec: tuple, k: int) -> PackedWeight:
+    return random_packed(spec, 256, k, "cuda")
 
 
 def _compile_launch_shape(task: tuple) -> bool:
-    """Runs one launch shape the autotuner may time, for one (kernels, kind, K, batch), once, on
+    """Runs one launch shape the autotuner may time, for one (kernels, `kind_spec`, K, batch), once, on
     a weight of 256 rows: what Triton caches on disk for it is what the timed run then loads
     (its cache key holds the constexprs and which ints are multiples of 16, not N itself).
     False where the GPU cannot hold the tile (the tuner times it as infinite)."""
     from triton.runtime.errors import OutOfResources
 
-    path, kind, k, batch, index = task
+    path, spec, k, batch, index = task
     module = _kernels(path)
     config = (module.GEMV_CONFIGS if batch == 1 else module.GEMM_CONFIGS)[index]
     x = torch.randn(batch, k, device="cuda", dtype=torch.float16)
     try:
-        module._grid_matmul(x, _small_weight(kind, k), torch.empty(batch, 256, device="cuda", dtype=torch.float16), config)
+        module._grid_matmul(x, _small_weight(spec, k), torch.empty(batch, 256, device="cuda", dtype=torch.float16), config)
     except OutOfResources:
         return False
     return True
+
+
+def launch_tasks(path: str | None, spec: tuple, ks: list[int], batches: list[int]) -> list[tuple]:
+    """`_compile_launch_shape`'s tasks: every launch shape of one version of the kernels for one
+    kind, at each K and batch."""
+    module = _kernels(path)
+    return [(path, spec, k, batch, index) for k in ks for batch in batches
+            for index in range(len(module.GEMV_CONFIGS if batch == 1 else module.GEMM_CONFIGS))]
+
+
+def level_tasks(levels: Path, batches: list[int]) -> list[tuple]:
+    """The launches `lmpress latency` times for a level database: each quantized level's kind,
+    in the layout CUDA serves it (`serves_interleaved`), at each input width of its units."""
+    from compressors.kernels import serves_interleaved
+    from pipelines.levels import LevelDatabase, parse_quantized_level
+
+    database = LevelDatabase(levels)
+    tasks = []
+    for level in filter(lambda name: name.startswith("bits"), database.config.level_names):
+        bits, group, sparse24 = parse_quantized_level(level)
+        stored = "2:4 symmetric" if sparse24 else "symmetric"
+        for k in sorted({unit["in_features"] for unit in database.manifest["units"]}):
+            interleaved = serves_interleaved(random_packed_weight(bits, 16, k, group, stored))
+            tasks += launch_tasks(None, (bits, stored, group, interleaved), [k], batches)
+    return tasks
 
 
 def precompile(tasks: list[tuple], workers: int) -> None:
@@ -125,6 +157,8 @@ def main() -> None:
     parser.add_argument("--baseline-kinds", help="time the baseline on these kinds only (default: every kind)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_speed")
     parser.add_argument("--compile-workers", type=int, default=0, help="compile every launch shape first in this many processes (0: let the tuner compile)")
+    parser.add_argument("--levels", type=Path, help="only compile (in --compile-workers processes, at --batches) the launches "
+                        "`lmpress latency` times for this level database, then exit (benchmarks/gpu_check.sh latency)")
     args = parser.parse_args()
 
     kinds = tuple(args.kinds.split(","))
@@ -151,12 +185,16 @@ def main() -> None:
         raise SystemExit("kernel speed needs a CUDA GPU (the CPU only interprets Triton); use --smoke to check the script")
 
     device = torch.device("cuda")
+    batches = list(map(int, args.batches.split(",")))
+    if args.levels is not None:
+        precompile(level_tasks(args.levels, batches), args.compile_workers or 14)
+        return
     if args.compile_workers:
         ks = sorted({int(shape.split("x")[1]) for shape in args.shapes.split(",")})
         paths = [None] + ([str(args.baseline)] if args.baseline is not None else [])
-        tasks = [(path, kind, k, batch, index) for path in paths for kind in kinds for k in ks for batch in map(int, args.batches.split(","))
-                 for index in range(len((_kernels(path).GEMV_CONFIGS if batch == 1 else _kernels(path).GEMM_CONFIGS)))
-                 if path is None or (not kind.endswith("-interleaved") and (not args.baseline_kinds or kind in args.baseline_kinds.split(",")))]
+        tasks = [task for path in paths for kind in kinds
+                 if path is None or (not kind.endswith("-interleaved") and (not args.baseline_kinds or kind in args.baseline_kinds.split(",")))
+                 for task in launch_tasks(path, kind_spec(kind), ks, batches)]
         precompile(tasks, args.compile_workers)
     try:
         import bitsandbytes
@@ -178,7 +216,7 @@ def main() -> None:
         except (RuntimeError, ValueError, ImportError) as error:
             semi_structured = None
             print(f"torch semi-structured sparsity unavailable: {error}")
-        for batch in map(int, args.batches.split(",")):
+        for batch in batches:
             x = torch.randn(batch, k, device=device, dtype=torch.float16)
             fp16 = weight_seconds(lambda w: x @ w.T, dense)
             row = {"shape": f"{n}x{k}", "batch": batch, "fp16_us": round(fp16 * 1e6, 1)}
