@@ -166,17 +166,19 @@ def main() -> None:
     if args.baseline is not None:
         versions["baseline_"] = _kernels(str(args.baseline)).matmul_triton
 
-    def timed(kind: str, weight: PackedWeight) -> dict:
-        """The versions to run on this weight: a baseline's kernels read unit order only, and
-        --baseline-kinds may limit them."""
-        baseline = not weight.interleaved and (not args.baseline_kinds or kind in args.baseline_kinds.split(","))
-        return {prefix: matmul for prefix, matmul in versions.items() if baseline or not prefix}
+    def baseline_runs(kind: str) -> bool:
+        """A baseline's kernels read unit order only, and --baseline-kinds may limit them."""
+        return args.baseline is not None and not kind.endswith("-interleaved") and (not args.baseline_kinds or kind in args.baseline_kinds.split(","))
+
+    def timed(kind: str) -> dict:
+        """The versions to run on a kind's weight."""
+        return {prefix: matmul for prefix, matmul in versions.items() if baseline_runs(kind) or not prefix}
     if args.smoke:
         for kind in kinds:
             weight = random_packed(kind, 64, 256, "cpu")
             for batch in (1, 3):
                 x = torch.randn(batch, 256)
-                for prefix, matmul in timed(kind, weight).items():
+                for prefix, matmul in timed(kind).items():
                     error = (matmul(x, weight) - matmul_reference(x, weight)).abs().max().item()
                     print(f"{prefix}{kind} batch {batch}: max abs error {error:.2e}")
                     assert error < 1e-4
@@ -191,9 +193,7 @@ def main() -> None:
         return
     if args.compile_workers:
         ks = sorted({int(shape.split("x")[1]) for shape in args.shapes.split(",")})
-        paths = [None] + ([str(args.baseline)] if args.baseline is not None else [])
-        tasks = [task for path in paths for kind in kinds
-                 if path is None or (not kind.endswith("-interleaved") and (not args.baseline_kinds or kind in args.baseline_kinds.split(",")))
+        tasks = [task for kind in kinds for path in [None] + ([str(args.baseline)] if baseline_runs(kind) else [])
                  for task in launch_tasks(path, kind_spec(kind), ks, batches)]
         precompile(tasks, args.compile_workers)
     try:
@@ -223,7 +223,7 @@ def main() -> None:
             if batch == 1:
                 row["fp16_bandwidth_fraction"] = round(2 * n * k / fp16 / bandwidth, 3)
             for kind, weight in weights.items():
-                for prefix, matmul in timed(kind, weight).items():
+                for prefix, matmul in timed(kind).items():
                     error = (matmul(x, weight).float() - matmul_reference(x, weight).float()).abs().max().item()
                     seconds = weight_seconds(lambda w: matmul(x, w), weight)
                     row[f"{prefix}{kind}_us"], row[f"{prefix}{kind}_speedup"] = round(seconds * 1e6, 1), round(fp16 / seconds, 2)
