@@ -110,13 +110,13 @@ def level_tasks(levels: Path, batches: list[int]) -> list[tuple]:
     """The launches `lmpress latency` times for a level database: each quantized level's kind,
     in the layout CUDA serves it (`serves_interleaved`), at each input width of its units."""
     from compressors.kernels import serves_interleaved
-    from pipelines.levels import LevelDatabase, parse_quantized_level
+    from pipelines.latency import level_kind
+    from pipelines.levels import LevelDatabase
 
     database = LevelDatabase(levels)
     tasks = []
     for level in filter(lambda name: name.startswith("bits"), database.config.level_names):
-        bits, group, sparse24 = parse_quantized_level(level)
-        stored = "2:4 symmetric" if sparse24 else "symmetric"
+        bits, stored, group = level_kind(level)
         for k in sorted({unit["in_features"] for unit in database.manifest["units"]}):
             interleaved = serves_interleaved(random_packed_weight(bits, 16, k, group, stored))
             tasks += launch_tasks(None, (bits, stored, group, interleaved), [k], batches)

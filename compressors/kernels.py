@@ -33,11 +33,18 @@ class Kernel:
         return hashlib.sha256(self.source.read_bytes()).hexdigest()
 
 
+def _packed_matmul_serves(weight: PackedWeight) -> bool:
+    """Every packed kind but 2:4 weights with fp16 values: the general kernel decodes them
+    (the tests check it), but ran 5-20x slower than dense fp16 on an H100 (and torch's own 2:4
+    path 0.5-1.0x; benchmarks/results/kernel_speed_h100.md), so a dense copy serves them."""
+    return weight.bits in KERNEL_BITS and not (weight.bitmask is not None and weight.bits == 16)
+
+
 KERNELS = [
     Kernel(
         name="triton-packed-matmul",
-        format="pack-quantized, lmpress-packed (grids, codebooks, 2:4 sparse)",
-        supports=lambda weight: weight.bits in KERNEL_BITS,
+        format="pack-quantized, lmpress-packed (grids, codebooks, 2:4 sparse quantized)",
+        supports=_packed_matmul_serves,
         run=packed_int.matmul_triton,
         reference=packed_int.matmul_reference,
         source=Path(packed_int.__file__),
@@ -166,12 +173,8 @@ def serving_layout(weight: PackedWeight, device: torch.device) -> PackedWeight:
 
 def serving_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
     """The kernel a PackedLinear runs `weight` with on `device`; None is the dense path, from a
-    cached dequantized copy: on the CPU, for a weight no kernel takes, and for 2:4 weights with
-    fp16 values, whose kernel ran 5-20x slower than dense fp16 on an H100 (and torch's own 2:4
-    path 0.5-1.0x; benchmarks/results/kernel_speed_h100.md), so a dense copy serves them fastest."""
-    if device.type != "cuda" or (weight.bitmask is not None and weight.bits == 16):
-        return None
-    return select_kernel(weight, device)
+    cached dequantized copy: on the CPU, and for a weight no kernel serves (2:4 fp16 values)."""
+    return select_kernel(weight, device) if device.type == "cuda" else None
 
 
 class PackedLinear(nn.Module):

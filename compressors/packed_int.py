@@ -303,6 +303,10 @@ class PackedWeight:
     def clone(self) -> "PackedWeight":
         return self._map(torch.clone)
 
+    def first_rows(self, rows: int) -> "PackedWeight":
+        """The weight of this linear's first `rows` outputs (every stored tensor is [N, ...])."""
+        return self._map(lambda t: t[:rows])
+
     @property
     def nbytes(self) -> int:
         """Bytes stored (and read once by a GEMV)."""

@@ -143,17 +143,25 @@ def decode_step_seconds(model: nn.Module, config: LatencyConfig, device: torch.d
 # --------------------------------------------------------------------------- serving modules
 
 
+def level_kind(level: str) -> tuple[int, str, int]:
+    """(bits, stored kind, group size) of a quantized level's weights, as
+    `compressors.packed_int.random_packed_weight` takes them."""
+    from pipelines.levels import parse_quantized_level
+
+    bits, group_size, sparse24 = parse_quantized_level(level)
+    return bits, "2:4 symmetric" if sparse24 else "symmetric", group_size
+
+
 def serving_module(level: str, rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, str, int]:
     """A linear of this shape as lmpress serves it at `level` (random weights: speed does not
     depend on them), the path it runs (a kernel, or a dense matmul), and the bytes a call reads."""
     from compressors.kernels import PackedLinear, serving_kernel
     from compressors.packed_int import random_packed_weight
-    from pipelines.levels import parse_quantized_level
 
     dense_bytes = rows * columns * torch.finfo(dtype).bits // 8
     if level.startswith("bits"):
-        bits, group_size, sparse24 = parse_quantized_level(level)
-        weight = random_packed_weight(bits, rows, columns, group_size, "2:4 symmetric" if sparse24 else "symmetric").to(device)
+        bits, stored, group_size = level_kind(level)
+        weight = random_packed_weight(bits, rows, columns, group_size, stored).to(device)
         kernel = serving_kernel(weight, device)
         module = PackedLinear(weight, None).to(device)
         if kernel is None:  # every level runs the same code on a dense copy (fp32 on the CPU): one path, one measurement

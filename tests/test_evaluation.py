@@ -38,6 +38,20 @@ def test_kl_is_exact_full_vocabulary_kl_and_zero_against_itself():
     assert scores.top1_agree == (p.argmax(-1) == q.argmax(-1)).sum().item()
 
 
+def test_scores_are_the_same_with_the_lm_head_run_in_chunks_of_tokens(monkeypatch):
+    """A batch's tokens go through the LM head a chunk at a time (7 tokens here: chunks that
+    straddle windows, a short last one); sums and the hidden states are those of one pass."""
+    from pipelines import evaluation
+
+    base, other, windows = tiny_model("gemma2", seed=0), tiny_model("gemma2", seed=1), _windows()
+    head, hidden = LMHead.of(base), score_windows(base, windows).hidden
+    whole = score_windows(other, windows, (head, hidden), batch_size=2)
+    monkeypatch.setattr(evaluation, "LOGIT_CHUNK", 7 * 320)
+    chunked = score_windows(other, windows, (head, hidden), batch_size=2)
+    assert chunked.top1_agree == whole.top1_agree and torch.equal(chunked.hidden, whole.hidden)
+    assert abs(chunked.nll_sum - whole.nll_sum) < 1e-3 and abs(chunked.kl_sum - whole.kl_sum) < 1e-4
+
+
 def test_lm_head_round_trips_through_safetensors(tmp_path):
     head = LMHead.of(tiny_model("gemma2"))
     head.save(tmp_path / "head.safetensors")

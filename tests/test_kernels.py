@@ -101,9 +101,10 @@ def test_packed_linear_equals_the_dense_layer():
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder):
+def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder, monkeypatch):
     """The quantize stage bundles the kernel source and a CPU validation report; served with
     PackedLinear layers the model gives the logits of its decompressed dense form."""
+    from pipelines import serving
     from pipelines.models import load_model
     from pipelines.serving import load_for_serving
 
@@ -125,6 +126,11 @@ def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder
     again = run_cli("validate", out, "--out", tmp_path / "v.json")
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "v.json").read_text())["layers"].keys() == report["layers"].keys()
+    assert all(e["rows_checked"] == e["shape"][0] for e in report["layers"].values())  # all under 96 rows
+    monkeypatch.setattr(serving, "INTERPRETED_ROWS", 40)  # the interpreter checks a layer's first rows
+    fewer = serving.validate(out, tmp_path / "v40.json")
+    assert fewer["layers"].keys() == report["layers"].keys() and fewer["passed"]
+    assert sorted({(e["shape"][0], e["rows_checked"]) for e in fewer["layers"].values()}) == [(32, 32), (64, 40), (96, 40)]
     text = run_cli("generate", out, "Hello", "--max-new-tokens", "3")
     assert text.returncode == 0, text.stderr
 
