@@ -2,12 +2,13 @@
 
 import os
 
-# The stages mix torch's OpenMP threads with scipy's OpenBLAS ones (calibrate.stats.Moments sums
-# x^T x with BLAS syrk), and OpenMP's default, spinning for a while after each parallel region,
-# holds the cores OpenBLAS's threads then need: on 2 cores calibration ran 28% faster with
-# waiting threads asleep, evaluation the same. OpenMP reads this once, when torch loads it; a
-# user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Two thread pools share the cores: torch's and the OpenBLAS that numpy and scipy load, which
+# calibrate.stats.Moments calls for x^T x (syrk). OpenBLAS's threads spin after each call and
+# the torch op that follows ran 2-3x slower for it; on 2 cores calibration took 26 s per 16
+# windows with OpenBLAS on one thread, 49 s on two (and 32 s with OpenMP's threads asleep
+# instead, which slowed torch's small ops: the levels stage 173 s against 112 s). Set before
+# numpy loads it; a user's own setting wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import compressors  # noqa: E402, F401  (selects Triton's backend before anything else imports triton)
 
