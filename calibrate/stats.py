@@ -201,8 +201,9 @@ class CalibrationData:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        require(self.folder.is_dir(), f"calibration artifact {self.folder} does not exist; run `lmpress calibrate` first")
-        self.manifest = read_json(self.folder / "manifest.json", "re-run `lmpress calibrate`")
+        require(self.folder.exists(), f"calibration artifact {self.folder} does not exist; run `lmpress calibrate` first")
+        require(self.folder.is_dir(), f"calibration artifact {self.folder} is a file; pass the folder `lmpress calibrate` wrote")
+        self.manifest = read_json(self.folder / "manifest.json", "re-run `lmpress calibrate`") if (self.folder / "manifest.json").is_file() else {}
         require(
             self.manifest.get("format") == CALIBRATION_FORMAT,
             f"{self.folder} is not an lmpress calibration artifact; run `lmpress calibrate`",

@@ -35,10 +35,37 @@ def write_json(path: Path, data) -> None:
     """Stable JSON (sorted keys, so equal content gives equal bytes), written to a temporary
     sibling and renamed into place, so a reader never sees half a file."""
     path = Path(path)
+    require_output_path(path, directory=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def require_output_path(path: Path, directory: bool, inputs: tuple = ()) -> None:
+    """Fail before any work when `path` cannot become the output (a directory, or a file): it
+    exists as the other kind, a folder above it is a file, or writing it would replace one of
+    the local `inputs` (a model folder or calibration artifact the run reads) or a folder
+    holding one."""
+    path = Path(path).expanduser()
+    if directory:
+        require(not path.is_file(), f"output path {path} is a file; pass a directory path or remove the file")
+    else:
+        require(not path.is_dir(), f"output path {path} is a directory; pass a file path such as {path / 'report.json'}")
+    blocker = next((folder for folder in path.parents if folder.exists() and not folder.is_dir()), None)
+    require(blocker is None, f"output path {path} lies under {blocker}, which is a file; pass a path inside a folder")
+    target = path.resolve()
+    for given in inputs:
+        if given is None or not Path(given).expanduser().exists():
+            continue  # hub ids and built-in names resolve to lmpress's cache, which no --out names by accident
+        source = Path(given).expanduser().resolve()
+        require(
+            target != source and target not in source.parents,
+            f"output path {path} would replace the input {given}; write the result to another folder",
+        )
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -80,7 +107,7 @@ def _clean_leftovers(out: Path) -> None:
 def atomic_directory(out: Path) -> Iterator[Path]:
     """Yield a temporary directory that becomes `out` only if the block completes."""
     out = Path(out)
-    require(not out.is_file(), f"output path {out} is a file; pass a directory path or remove the file")
+    require_output_path(out, directory=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     _clean_leftovers(out)
     pid = os.getpid()

@@ -4,6 +4,7 @@ stage function that the DVC pipeline calls; user mistakes print one line and exi
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -491,9 +492,16 @@ def metrics_table(metrics: dict) -> Table:
     return table
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    """`kill`, a job scheduler's timeout or a container stop: unwind as Ctrl-C does, so the
+    stage's temporary folder is removed on the way out instead of left beside the output."""
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     """Entry point: user errors and interrupts become one line on stderr, never a traceback."""
     interrupted = 130  # typer turns Ctrl-C into this exit code
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         code = app(standalone_mode=False)
     except LmpressError as error:

@@ -107,11 +107,12 @@ def score_windows(
         batch = windows[start : start + batch_size]
         states = decoder(input_ids=batch).last_hidden_state[:, :-1]
         hidden.append(states.float())
+        states = states.flatten(0, 1)  # one copy a batch (the slice is not contiguous), not one a chunk
         base_states = reference[1][start : start + batch_size].flatten(0, 1) if reference is not None else None
         targets = batch[:, 1:].flatten()
         for first in range(0, targets.shape[0], chunk):
             rows = slice(first, first + chunk)
-            logprobs = torch.log_softmax(softcapped(head(states.flatten(0, 1)[rows]), softcap).float(), dim=-1)
+            logprobs = torch.log_softmax(softcapped(head(states[rows]), softcap).float(), dim=-1)
             nll_sum -= logprobs.gather(-1, targets[rows, None]).sum().item()
             if reference is not None:
                 base_logprobs = torch.log_softmax(reference[0].logits(base_states[rows]).float(), dim=-1)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from compressors.search import Unit
-from pipelines.artifact import read_json, write_json
+from pipelines.artifact import read_json, require_output_path, write_json
 from pipelines.errors import require
 
 LATENCY_FORMAT = "lmpress-latency"
@@ -207,7 +207,7 @@ def measure_latency(model: str, levels: Path, out: Path, config: LatencyConfig) 
 
     config.validate()
     out = Path(out)
-    require(not out.is_dir(), f"output path {out} is a directory; pass a file path such as latency.json")
+    require_output_path(out, directory=False)
     database = LevelDatabase(levels)
     network, base = _network(model, database, config.random_weights)
     longest = getattr(network.config, "max_position_embeddings", None)

@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.artifact import atomic_directory, chain_hash, file_sha256, read_json, read_lineage, write_json
+from pipelines.artifact import atomic_directory, chain_hash, file_sha256, read_json, read_lineage, require_output_path, write_json
 from pipelines.errors import LmpressError, require
 
 CARD_FILE = "README.md"
@@ -489,7 +489,8 @@ def publish(folder: Path, config: PublishConfig, out: Path | None = None, receip
     )
     problem = validation_problem(facts)
     require(problem is None or config.force, f"{problem}; pass --force to publish it anyway")
-    require(receipt is None or not Path(receipt).is_dir(), f"receipt path {receipt} is a directory; pass a .json file path")
+    if receipt is not None:
+        require_output_path(receipt, directory=False)
     if not config.dry_run:
         from huggingface_hub import constants
 
@@ -497,7 +498,7 @@ def publish(folder: Path, config: PublishConfig, out: Path | None = None, receip
         token = _hub_token()
     card = model_card(facts, config.repo_id)
     staging = Path(out) if out is not None else Path(folder).parent / f".{Path(folder).name}.publish-{os.getpid()}"
-    require(staging.resolve() != Path(folder).resolve(), "--out must not be the artifact itself; pass another folder")
+    require_output_path(staging, directory=True, inputs=(folder,))
     files = write_upload_folder(facts, card, staging)
     result = {
         "repo_id": config.repo_id, "revision": config.revision, "private": config.private,

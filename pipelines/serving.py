@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.artifact import file_sha256, read_json, write_json
+from pipelines.artifact import file_sha256, read_json, require_output_path, write_json
 from pipelines.errors import require
 from pipelines.models import LoadedModel, load_model, weight_files
 
@@ -145,6 +145,9 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     from compressors.kernels import KERNELS, self_check, serving_layout, weight_seconds
 
     folder = Path(folder)
+    if out is not None:
+        require_output_path(out, directory=False)
+    require(folder.is_dir(), f"{folder} is not a folder; pass a quantized or pruned artifact such as artifacts/quantized")
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.float16 if gpu else torch.float32
     weights = packed_weights(folder)
@@ -158,7 +161,7 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     for name, weight in weights.items():
         kernel = next((k for k in KERNELS if k.supports(weight)), None)
         if kernel is None:
-            layers[name] = {"kernel": None, "note": f"no kernel serves {weight.kind} {weight.bits}-bit weights: torch runs them from a dense copy"}
+            layers[name] = {"kernel": None, "note": f"no kernel serves {weight.kind} weights: torch runs them from a dense copy"}
             continue
         require(self_check(kernel, device), f"kernel {kernel.name} failed its self-check on {device}; do not serve with it")
         used.add(kernel)
@@ -237,6 +240,10 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
     from pipelines.stages import VOCAB_TRIM_FILE, check_draft_fits
 
     folder = resolve_model(spec)
+    require(
+        folder.resolve() != Path(target.folder).resolve(),
+        f"the draft {spec} is the target itself; pass a smaller model of its family, e.g. one `lmpress draft` made",
+    )
     check_draft_fits(folder, target.folder)
     lineage = read_lineage(folder)
     record = lineage["chain"][-1] if lineage else {}
@@ -268,6 +275,9 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
     from compressors.speculative import speculative_greedy
     from pipelines.progress import stderr
 
+    require(bool(prompt.strip()), "the prompt is empty; pass some text to continue, e.g. \"Once upon a time\"")
+    require(max_new_tokens > 0, f"--max-new-tokens must be positive (got {max_new_tokens}); pass e.g. --max-new-tokens 40")
+    require(draft is None or lookahead > 0, f"--lookahead must be positive (got {lookahead}); pass e.g. --lookahead 4")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_for_serving(spec, device)
     inputs = loaded.tokenizer(prompt, return_tensors="pt").to(device)

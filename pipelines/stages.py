@@ -23,6 +23,7 @@ from pipelines.artifact import (
     model_chain,
     read_json,
     read_lineage,
+    require_output_path,
     write_json,
     write_lineage,
 )
@@ -32,11 +33,6 @@ from pipelines.models import (
     architecture_of, decoder_layers, head_dim_of, layer_linears, load_config, load_model, map_weights, release_weights, resolve_model,
 )
 from pipelines.progress import progress_bar
-
-
-def require_directory_target(out: Path) -> None:
-    """Fail before any work when the output cannot become a directory."""
-    require(not Path(out).is_file(), f"output path {out} is a file; pass a directory path or remove the file")
 
 
 def require_positive(**values: int) -> None:
@@ -62,7 +58,7 @@ class CalibrateConfig:
 def calibrate(model: str, out: Path, config: CalibrateConfig) -> Path:
     """Sample token windows, walk the model layer by layer and store per-linear statistics."""
     config.validate()
-    require_directory_target(out)
+    require_output_path(out, directory=True, inputs=(model,))
     run = StageRun()
     loaded = load_model(model)
     samples = sample_windows(config.corpus, loaded.tokenizer, config.samples, config.seq_len, config.seed)
@@ -126,8 +122,9 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
     itself, which is then scored once)."""
     config.validate()
     reference = Path(reference)
-    require_directory_target(reference)
-    require(out is None or not Path(out).is_dir(), f"metrics path {out} is a directory; pass a .json file path")
+    require_output_path(reference, directory=True, inputs=(model, base))
+    if out is not None:
+        require_output_path(out, directory=False)
     loaded = load_model(model)
     chain = model_chain(model, loaded.folder, loaded.config)
     if base is not None and base != model and read_lineage(loaded.folder) is None:
@@ -137,10 +134,18 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
     windows = {corpus: held_out_windows(corpus, loaded.tokenizer, chain, config.windows, config.seq_len) for corpus in config.corpus_list}
 
     building = not (reference / "manifest.json").is_file()
+    require(
+        not building or not reference.exists() or not any(reference.iterdir()),
+        f"{reference} is not a reference cache (no manifest.json) and is not empty; pass a new --reference path, where one is built",
+    )
     is_base = len(chain) == 1 and base in (None, model)
     if building:
         _build_reference(loaded if is_base else load_model(base or chain[0]["model"]), reference, windows, config)
     manifest = read_json(reference / "manifest.json", f"delete {reference} so it is rebuilt")
+    require(
+        manifest.get("format") == REFERENCE_FORMAT,
+        f"{reference} is not an lmpress reference cache ({REFERENCE_FORMAT}); pass a new --reference path, where one is built",
+    )
     require(
         manifest["base"]["weights_sha256"] == chain[0]["weights_sha256"],
         f"reference {reference} was built from another base model than {model}'s; pass another --reference path",
@@ -255,7 +260,15 @@ def walk_layers(loaded, calib, config, process, advance, finished=None, true_seq
         return
     base_index = base_layer_indices(read_lineage(loaded.folder))
     for index, layer in enumerate(layers):
-        process(index, layer, calib.layer(base_index[index] if base_index else index) if calib is not None else {})
+        statistics = calib.layer(base_index[index] if base_index else index) if calib is not None else {}
+        for local, stats in statistics.items():  # the base's inputs: a structured-pruned model's are narrower
+            width = layer.get_submodule(local).in_features
+            require(
+                stats.second_moment.shape[0] == width,
+                f"the calibration's stored statistics are the base model's, where {local} reads {stats.second_moment.shape[0]} "
+                f"features; this model's layer {index} reads {width}: pass --sequential true to collect them on this model",
+            )
+        process(index, layer, statistics)
         done(index)
         release_free_memory()  # as the runner does after each layer
 
@@ -274,7 +287,7 @@ def begin_stage(model: str, calibration: Path | None, out: Path, method: str, ne
     """What every compression stage does first: check the output path and that calibration is
     given where needed (before any loading), start the clock, load the model, and open the
     calibration artifact checked against the model's base. Returns (run, loaded, chain, calib)."""
-    require_directory_target(out)
+    require_output_path(out, directory=True, inputs=(model, calibration))
     require_calibration(calibration, method, needs_calibration)
     run = StageRun()
     loaded = load_model(model)
@@ -374,24 +387,47 @@ def load_overrides(path: str) -> dict:
     if not path:
         return {}
     require(Path(path).is_file(), f"overrides file {path} does not exist; pass a YAML file of {{regex: {{bits: 3}}}}")
-    overrides = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        overrides = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        raise LmpressError(
+            f"{path} is not valid YAML{f' (line {where.line + 1})' if where else ''}: {getattr(error, 'problem', None) or error}; "
+            "fix it, or write it with `lmpress search` (plan.yaml)"
+        ) from None
     require(isinstance(overrides, dict), f"{path} must map linear-name regexes to settings")
     return overrides
+
+
+def compiled_regex(pattern: str, option: str):
+    import re
+
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise LmpressError(f"{option} '{pattern}' is not a valid regular expression ({error}); escape dots and brackets, e.g. model\\.layers\\.0\\.") from None
 
 
 def planned_linears(model, skip: str, overrides: dict, default):
     """(full name, module, setting) for every decoder linear not matched by a `skip` regex
     (comma-separated, searched); the setting is the first override whose regex matches the
-    whole name, else `default`."""
-    import re
-
-    skips = [pattern.strip() for pattern in skip.split(",") if pattern.strip()]
+    whole name, else `default`. An override that matches no linear at all (a typo, a plan made
+    for another model) is an error once the walk is done, not a silent no-op."""
+    skips = [compiled_regex(pattern.strip(), "--skip") for pattern in skip.split(",") if pattern.strip()]
+    regexes = [(compiled_regex(str(regex), "override"), value) for regex, value in overrides.items()]
     prefix = architecture_of(model.config).layers
+    unmatched = {regex.pattern for regex, _ in regexes}
     for index, layer in enumerate(decoder_layers(model)):
         for local, module in layer_linears(model, layer).items():
             name = f"{prefix}.{index}.{local}"
-            if not any(re.search(pattern, name) for pattern in skips):
-                yield name, module, next((value for regex, value in overrides.items() if re.fullmatch(regex, name)), default)
+            unmatched -= {regex.pattern for regex, _ in regexes if regex.fullmatch(name)}
+            if not any(pattern.search(name) for pattern in skips):
+                yield name, module, next((value for regex, value in regexes if regex.fullmatch(name)), default)
+    if unmatched:
+        raise LmpressError(
+            f"override '{min(unmatched)}' matches no linear of this model (names look like {prefix}.0.mlp.down_proj and must "
+            "match whole); fix the regex, or use a plan made for this model"
+        )
 
 
 def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[str, "GridSpec"]:
@@ -900,7 +936,7 @@ def _check_kv_merge_target(model: str, kv_heads: int):
     architecture_of(config)
     require(not getattr(config, LAYER_WIDTHS, None), f"{model} has per-layer widths; kv-merge needs the same KV heads in every layer")
     heads, current = config.num_attention_heads, config.num_key_value_heads
-    require(kv_heads <= current, f"--kv-heads {kv_heads} is more than the model's {current} KV heads; merging only reduces them")
+    require(kv_heads < current, f"--kv-heads {kv_heads}: the model has {current} KV heads already, and merging only reduces them; pass fewer")
     require(heads % kv_heads == 0, f"--kv-heads {kv_heads} does not divide the {heads} query heads; use a divisor of {current}")
     require(current % kv_heads == 0, f"--kv-heads {kv_heads} does not divide the {current} KV heads into equal groups; use a divisor of {current}")
     return config
@@ -1039,7 +1075,7 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
     from pipelines.serving import dense_copy
 
     config.validate()
-    require_directory_target(out)
+    require_output_path(out, directory=True, inputs=(target, calibration, config.draft or None))
     require_calibration(calibration, "draft", True)
     run = StageRun()
     target_folder = resolve_model(target)

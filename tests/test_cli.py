@@ -138,7 +138,7 @@ def _wait_for_layers(out: Path, layers: int, timeout: float = 300):
     raise AssertionError("calibration made no progress")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["SIGINT", "SIGTERM", "SIGKILL"])
 def test_interrupted_calibration_leaves_no_artifact_and_reruns(tmp_path, sig):
     out = tmp_path / "cal"
     process = _start_calibration(out)
@@ -147,12 +147,26 @@ def test_interrupted_calibration_leaves_no_artifact_and_reruns(tmp_path, sig):
     _, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
     assert not out.exists()
-    if sig == signal.SIGINT:
+    if sig != signal.SIGKILL:  # SIGTERM (kill, a scheduler's timeout) unwinds as Ctrl-C does
         assert process.returncode == 130 and "Traceback" not in stderr and "interrupted" in stderr
         assert leftovers(out) == []
     rerun = run_cli("calibrate", "--model", REAL_MODEL, "--out", out, "--samples", "4", "--seq-len", "64")
     assert rerun.returncode == 0, rerun.stderr
     assert len(list((out / "stats").glob("*.safetensors"))) == 30 and leftovers(out) == []
+
+
+def test_evaluate_generate_and_validate_refuse_bad_paths_and_values(tmp_path):
+    model_copy = tmp_path / "not-a-reference"  # a folder that is not a reference cache is never replaced by one
+    model_copy.mkdir()
+    (model_copy / "config.json").write_text("{}")
+    assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", model_copy), "is not a reference cache (no manifest.json) and is not empty")
+    assert (model_copy / "config.json").read_text() == "{}"
+    (model_copy / "manifest.json").write_text('{"format": "lmpress-calibration/1"}')
+    assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", model_copy), "is not an lmpress reference cache")
+    assert_user_error(run_cli("generate", REAL_MODEL, " "), "the prompt is empty")
+    assert_user_error(run_cli("generate", REAL_MODEL, "Hi", "--max-new-tokens", "0"), "--max-new-tokens must be positive (got 0)")
+    assert_user_error(run_cli("validate", REAL_MODEL, "--out", tmp_path), f"output path {tmp_path} is a directory")
+    assert list(tmp_path.glob(".*partial*")) == []
 
 
 def test_evaluate_base_then_rescore_against_the_cached_reference(tmp_path):

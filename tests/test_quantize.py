@@ -138,6 +138,28 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert "needs --calibration" in error("--method", "gptq")
     assert "--true-sequential takes --sequential true and a method that quantizes each linear" in error("--method", "awq", "--true-sequential", "true")
     assert "nf4 on the CPU needs input widths that are multiples of 64" in error("--method", "nf4")  # down_proj is 96 wide
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("layers.0.self_attn.q_proj: {bits: 5}\n")  # matches nothing whole: names start with model.
+    assert "override 'layers.0.self_attn.q_proj' matches no linear of this model" in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
+    plan.write_text("model.layers.0.mlp.down_proj: [1, 2\n")
+    assert f"{plan} is not valid YAML (line 2)" in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
+    assert "--skip '(' is not a valid regular expression" in error("--method", "rtn", "--group-size", "32", "--skip", "(")
+
+
+def test_quantize_refuses_outputs_that_would_lose_an_input(tmp_path, tiny_folder):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_folder, model)
+    before = {path.name: path.read_bytes() for path in model.iterdir()}
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("precious")
+    for out, message in [
+        (model, "would replace the input"), (tmp_path, "would replace the input"), (blocker / "q", "which is a file"),
+    ]:
+        result = run_cli("quantize", "--model", model, "--method", "rtn", "--group-size", "32", "--out", out)
+        assert result.returncode == 2 and "Traceback" not in result.stderr and message in result.stderr, result.stderr
+    assert {path.name: path.read_bytes() for path in model.iterdir()} == before and blocker.read_text() == "precious"
 
 
 def test_calibration_from_another_model_is_refused(tmp_path, tiny_folder):

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from compressors.structured import prune_heads, prune_mlp
 from conftest import leftovers, run_cli
 from pipelines.errors import LmpressError
-from pipelines.stages import DropLayersConfig, StructuredConfig, drop_layers, prune_structured
+from pipelines.stages import DropLayersConfig, QuantizeConfig, StructuredConfig, drop_layers, prune_structured, quantize
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +185,11 @@ def test_structured_bad_input_fails_cleanly(tmp_path, tiny_setup):
         with pytest.raises(LmpressError, match=message.replace("(", r"\(").replace(")", r"\)")):
             stage(str(folder), calibration, out, config)
         assert not out.exists() and not leftovers(out)
+    # the calibration's stored statistics are the base's: a narrower model needs its own
+    narrower = prune_structured(str(folder), calibration, tmp_path / "narrow", StructuredConfig(target_params=0.99, bias_compensation=False))
+    with pytest.raises(LmpressError, match="stored statistics are the base model's, where mlp.down_proj reads 96 features"):
+        quantize(str(narrower), calibration, out, QuantizeConfig(method="gptq", group_size=-1, sequential=False))
+    assert not out.exists() and not leftovers(out)
     result = run_cli("drop-layers", "--model", folder, "--n", "9", "--out", out, "--calibration", calibration)
     assert result.returncode == 2 and "would drop every layer" in result.stderr and "Traceback" not in result.stderr
     assert not out.exists() and not leftovers(out)
