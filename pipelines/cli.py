@@ -10,7 +10,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -507,10 +506,10 @@ def main() -> None:
     except LmpressError as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(2)
-    except click.ClickException as error:
+    except typer.TyperException as error:  # a bad or missing option: usage and one line, exit 2
         error.show()
         sys.exit(error.exit_code)
-    except (click.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):
         code = interrupted
     if code == interrupted:
         sys.stderr.write("interrupted: no partial artifact was left; run the command again to restart\n")

@@ -27,6 +27,23 @@ def assert_user_error(result, pattern: str, out: Path | None = None):
         assert not out.exists() and leftovers(out) == []
 
 
+@pytest.mark.parametrize("args, message", [
+    (["draft", "--out", "x"], "Error: Missing option '--target'."),
+    (["quantize", "--out"], "Error: Option '--out' requires an argument."),
+    (["quantize", "--out", "x", "--bits", "four"], "Error: Invalid value for '--bits'"),
+    (["quantize", "--out", "x", "--act-order", "maybe"], "Error: Invalid value for '--act-order'"),
+    (["quantise", "--out", "x"], "Error: No such command 'quantise'."),
+])
+def test_usage_mistakes_print_usage_and_one_error_line(tmp_path, args, message):
+    """Options typer itself refuses (missing, unparsable, unknown) get its usage line and one
+    error line with exit 2, like the stages' own checks: never a traceback, nothing written."""
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
+    assert "for help." in result.stderr or "requires an argument" in message
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_model_path_that_does_not_exist(tmp_path):
     out = tmp_path / "cal"
     assert_user_error(run_cli("calibrate", "--model", tmp_path / "nope", "--out", out, *SMALL), "does not exist; pass an existing folder", out)
