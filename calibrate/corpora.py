@@ -156,12 +156,13 @@ def tokenize_part(part: str, tokenizer) -> TokenizedPart:
     return TokenizedPart(part, [d.id for d in documents], torch.tensor(ids, dtype=torch.int64))
 
 
-def _windows_available(part: TokenizedPart, length: int, needed: int) -> int:
+def _windows_available(part: TokenizedPart, length: int, needed: int, options: tuple[str, str]) -> int:
+    """`options`: the command's options for the window count and length, which the error names."""
     available = part.tokens.numel() // length
     require(
         available >= needed,
         f"corpus '{part.name}' has {part.tokens.numel()} tokens, {available} windows of {length}, fewer than the "
-        f"{needed} needed; use fewer samples, shorter sequences or more text",
+        f"{needed} needed; pass a smaller {options[0]} or {options[1]}, or more text",
     )
     return available
 
@@ -188,7 +189,7 @@ def sample_windows(spec: str, tokenizer, samples: int, length: int, seed: int) -
     generator = torch.Generator().manual_seed(seed)
     windows, ids = [], []
     for part, share in zip(parts, shares):
-        available = _windows_available(part, length, share)
+        available = _windows_available(part, length, share, ("--samples", "--seq-len"))
         chosen = torch.randperm(available, generator=generator)[:share].sort().values
         for index in chosen.tolist():
             windows.append(part.tokens[index * length : (index + 1) * length])
@@ -197,10 +198,10 @@ def sample_windows(spec: str, tokenizer, samples: int, length: int, seed: int) -
     return Samples(torch.stack(windows), ids, documents)
 
 
-def leading_windows(part: TokenizedPart, windows: int, length: int) -> torch.Tensor:
+def leading_windows(part: TokenizedPart, windows: int, length: int, options: tuple[str, str] = ("--windows", "--seq-len")) -> torch.Tensor:
     """The first `windows` consecutive windows of a held-out part: a fixed evaluation slice."""
     require(windows > 0, f"windows must be positive (got {windows})")
-    _windows_available(part, length, windows)
+    _windows_available(part, length, windows, options)
     return part.tokens[: windows * length].view(windows, length).clone()
 
 

@@ -45,10 +45,11 @@ class GridSpec:
         return columns if self.group_size == -1 else self.group_size
 
     def check_width(self, columns: int, name: str) -> None:
+        dividing = ", ".join(str(g) for g in (32, 64, 128) if columns % g == 0)
         require(
             self.group_size == -1 or columns % self.group_size == 0,
-            f"group size {self.group_size} does not divide the input width {columns} of {name}; use a group size "
-            f"that divides it ({', '.join(str(g) for g in (32, 64, 128) if columns % g == 0) or 'none'}) or -1 (per-channel)",
+            f"group size {self.group_size} does not divide the input width {columns} of {name}; "
+            + (f"use a group size that divides it ({dividing}) or -1 (per-channel)" if dividing else "none of 32, 64, 128 does: use -1 (per-channel)"),
         )
 
 

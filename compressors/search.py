@@ -56,9 +56,17 @@ def within(cost: float, budget: float) -> bool:
 
 
 def check_budget(units: list[Unit], budget: float, what: str, describe: Callable[[float], str], fix: str) -> None:
-    """Some genome must meet the budget: the cheapest one. `describe(cost)` words a cost."""
+    """Some genome must meet the budget (the cheapest one), and not every one: where every unit
+    at its least compressed level fits, that is the answer and there is nothing to search.
+    `describe(cost)` words a cost."""
     lowest = genome_cost(units, cheapest_genome(units))
     require(within(lowest, budget), f"no assignment of the database's levels meets the budget {what}: the cheapest one costs {describe(lowest)}; {fix}")
+    least_compressed = genome_cost(units, [0] * len(units))
+    require(
+        not within(least_compressed, budget),
+        f"the budget {what} leaves nothing to search: every unit at its least compressed level costs {describe(least_compressed)}, "
+        "within it; lower the budget below that",
+    )
 
 
 def uniform_genome(units: list[Unit], budget: float) -> list[int]:

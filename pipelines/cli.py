@@ -445,7 +445,7 @@ def generate(
     prompt: str = typer.Argument(..., help="Text to continue."),
     max_new_tokens: int = typer.Option(40, "--max-new-tokens", help="Tokens to generate (greedy)."),
     draft_model: Optional[str] = typer.Option(None, "--draft", help="A draft for speculative decoding (the same output, fewer target forwards)."),
-    lookahead: int = typer.Option(4, help="With --draft: tokens the draft proposes per target forward."),
+    lookahead: Optional[int] = typer.Option(None, help="With --draft: tokens the draft proposes per target forward [default: 4]."),
     allow_other_target: bool = ALLOW_OTHER_TARGET,
 ):
     """Continue a prompt greedily with the model, served with its packed kernels where it has them."""

@@ -42,7 +42,9 @@ from pipelines.evaluation import LMHead, score_windows
 from pipelines.latency import LatencyTable
 from pipelines.models import architecture_of, decoder_layers, layer_linears
 from pipelines.progress import progress_bar
-from pipelines.stages import begin_stage, calibration_record, number_list, planned_linears, require_positive, resolve_clip_search
+from pipelines.stages import (
+    begin_stage, calibration_record, needed_by, number_list, planned_linears, require_positive, resolve_clip_search,
+)
 
 LEVELS_FORMAT = "lmpress-levels"
 LEVELS_VERSION = 2  # 2: group sizes and 2:4 levels, costs in stored bits
@@ -131,8 +133,10 @@ def level_database(model: str, calibration: Path | None, out: Path, config: Leve
     from compressors.sparsity import keep_mask, parse_pattern, wanda_score
 
     config.validate()
-    needs_statistics = config.method == "gptq" or config.sparse24 or bool(config.sparsity_levels)
-    run, loaded, chain, calib = begin_stage(model, calibration, out, f"levels ({config.method}, wanda)", needs_statistics)
+    needs_statistics = needed_by("levels", {
+        "--method gptq": config.method == "gptq", "--sparse24 true": config.sparse24, f"--sparsity {config.sparsity}": bool(config.sparsity_levels),
+    })
+    run, loaded, chain, calib = begin_stage(model, calibration, out, needs_statistics)
     linears = list(planned_linears(loaded.model, "", {}, None))
     for name, module, _ in linears:
         for level in config.quantized_levels:
@@ -365,7 +369,7 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     interrupted search resumes from its last generation."""
     config.validate()
     database = LevelDatabase(levels)
-    run, loaded, chain, calib = begin_stage(model, calibration, out, "search", True)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, "search")
     database.check_model(chain)
     units, budget, latency = _budgeted_units(config, database, chain)
     linear_weights = sum(u.size for u in units if not u.is_block)

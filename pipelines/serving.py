@@ -269,7 +269,7 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
 
 
 @torch.no_grad()
-def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None = None, lookahead: int = 4, allow_other_target: bool = False) -> str:
+def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None = None, lookahead: int | None = None, allow_other_target: bool = False) -> str:
     """Greedy continuation; with a `draft`, by speculative decoding (the same text, fewer target
     forwards; the counts go to stderr)."""
     from compressors.speculative import speculative_greedy
@@ -277,7 +277,9 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
 
     require(bool(prompt.strip()), "the prompt is empty; pass some text to continue, e.g. \"Once upon a time\"")
     require(max_new_tokens > 0, f"--max-new-tokens must be positive (got {max_new_tokens}); pass e.g. --max-new-tokens 40")
-    require(draft is None or lookahead > 0, f"--lookahead must be positive (got {lookahead}); pass e.g. --lookahead 4")
+    require(draft is not None or lookahead is None, "--lookahead sets how many tokens a draft proposes; pass --draft MODEL with it, or leave it out")
+    lookahead = 4 if lookahead is None else lookahead
+    require(lookahead > 0, f"--lookahead must be positive (got {lookahead}); pass e.g. --lookahead 4")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_for_serving(spec, device)
     inputs = loaded.tokenizer(prompt, return_tensors="pt").to(device)

@@ -198,13 +198,15 @@ def number_list(text: str, kind, option: str) -> list:
         raise LmpressError(f"{option} takes comma-separated numbers such as 2,3 (got '{text}')") from None
 
 
-def held_out_windows(corpus: str, tokenizer, chain: list[dict], windows: int, seq_len: int) -> tuple[torch.Tensor, list[str]]:
+def held_out_windows(corpus: str, tokenizer, chain: list[dict], windows: int, seq_len: int,
+                     options: tuple[str, str] = ("--windows", "--seq-len")) -> tuple[torch.Tensor, list[str]]:
     """The first `windows` windows of held-out `corpus` and its documents, checked to share no
-    document with the calibration data of any stage in `chain`."""
+    document with the calibration data of any stage in `chain`; `options` name the two
+    settings in the error for too little text."""
     part = tokenize_part(corpus, tokenizer)
     calibration_documents = [doc for record in chain for doc in record.get("calibration", {}).get("documents", [])]
     check_disjoint(calibration_documents, part.documents, corpus)
-    return leading_windows(part, windows, seq_len), part.documents
+    return leading_windows(part, windows, seq_len, options), part.documents
 
 
 def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfig) -> None:
@@ -283,20 +285,29 @@ def base_layer_indices(lineage: dict | None) -> list[int] | None:
     return indices
 
 
-def begin_stage(model: str, calibration: Path | None, out: Path, method: str, needs_calibration: bool):
+def begin_stage(model: str, calibration: Path | None, out: Path, needs_calibration: str | None):
     """What every compression stage does first: check the output path and that calibration is
     given where needed (before any loading), start the clock, load the model, and open the
-    calibration artifact checked against the model's base. Returns (run, loaded, chain, calib)."""
+    calibration artifact checked against the model's base. `needs_calibration` names the
+    command and options that need it (see `needed_by`), None where it is optional. Returns
+    (run, loaded, chain, calib)."""
     require_output_path(out, directory=True, inputs=(model, calibration))
-    require_calibration(calibration, method, needs_calibration)
+    require_calibration(calibration, needs_calibration)
     run = StageRun()
     loaded = load_model(model)
     chain = model_chain(model, loaded.folder, loaded.config)
     return run, loaded, chain, open_calibration(calibration, chain)
 
 
-def require_calibration(calibration: Path | None, method: str, needed: bool) -> None:
-    require(calibration is not None or not needed, f"method {method} needs --calibration (run `lmpress calibrate`)")
+def needed_by(command: str, options: dict[str, bool]) -> str | None:
+    """The command with the options that need calibration, for the error that names them
+    (`drop-layers --recovery-steps 10`); None when none does."""
+    needing = [option for option, needs in options.items() if needs]
+    return " ".join([command, *needing]) if needing else None
+
+
+def require_calibration(calibration: Path | None, needed_by: str | None) -> None:
+    require(calibration is not None or needed_by is None, f"{needed_by} needs --calibration (run `lmpress calibrate`)")
 
 
 def open_calibration(calibration: Path | None, chain: list[dict]):
@@ -494,7 +505,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from pipelines.serving import bundle_kernels, validate
 
     config.validate()
-    run, loaded, chain, calib = begin_stage(model, calibration, out, config.method, config.method in CALIBRATED_METHODS)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("quantize", {f"--method {config.method}": config.method in CALIBRATED_METHODS}))
     overrides = load_overrides(config.overrides)
     plan = quantization_plan(loaded.model, config, overrides)
     arch = architecture_of(loaded.config)
@@ -684,7 +695,8 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     from pipelines.serving import bundle_kernels, validate
 
     config.validate()
-    run, loaded, chain, calib = begin_stage(model, calibration, out, config.method if not config.refine else f"{config.method} --refine", config.needs_calibration)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by(
+        "prune", {f"--method {config.method}": config.method != "magnitude", f"--refine-cycles {config.refine_cycles}": config.refine}))
     overrides = load_overrides(config.overrides)
     plan = pruning_plan(loaded.model, config, overrides)
     require(bool(plan), "nothing to prune: every linear was skipped")
@@ -811,8 +823,10 @@ def prune_structured(model: str, calibration: Path | None, out: Path, config: St
     from pipelines.models import LAYER_WIDTHS
 
     config.validate()
-    needs_statistics = config.scorer != "magnitude" or config.bias_compensation or config.recovery_steps > 0
-    run, loaded, chain, calib = begin_stage(model, calibration, out, f"prune-structured --scorer {config.scorer}", needs_statistics)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("prune-structured", {
+        f"--scorer {config.scorer}": config.scorer != "magnitude", "--bias-compensation true": config.bias_compensation,
+        f"--recovery-steps {config.recovery_steps}": config.recovery_steps > 0,
+    }))
     arch, model_config = architecture_of(loaded.config), loaded.config
     require(arch.attention[0] == "self_attn.q_proj" and arch.mlp[-1] == "mlp.down_proj", f"{model_config.model_type} is not a q/k/v/o + gate/up/down model")
     biased = config.bias_compensation
@@ -871,7 +885,8 @@ def drop_layers(model: str, calibration: Path | None, out: Path, config: DropLay
     config.validate()
     given = config.given_layers()
     needs_influence = config.scorer == "influence" and not given
-    run, loaded, chain, calib = begin_stage(model, calibration, out, f"drop-layers --scorer {config.scorer}", needs_influence or config.recovery_steps > 0)
+    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by(
+        "drop-layers", {f"--scorer {config.scorer}": needs_influence, f"--recovery-steps {config.recovery_steps}": config.recovery_steps > 0}))
     layers = decoder_layers(loaded.model)
     count = len(given) or config.n
     asked = f"--layers {config.layers}" if given else f"--n {config.n}"
@@ -936,7 +951,8 @@ def _check_kv_merge_target(model: str, kv_heads: int):
     architecture_of(config)
     require(not getattr(config, LAYER_WIDTHS, None), f"{model} has per-layer widths; kv-merge needs the same KV heads in every layer")
     heads, current = config.num_attention_heads, config.num_key_value_heads
-    require(kv_heads < current, f"--kv-heads {kv_heads}: the model has {current} KV heads already, and merging only reduces them; pass fewer")
+    # as many as it has is the identity merge (a sweep's unmerged point, healed like the rest); more cannot be made
+    require(kv_heads <= current, f"--kv-heads {kv_heads}: the model has {current} KV heads, and merging only reduces them; pass at most {current}")
     require(heads % kv_heads == 0, f"--kv-heads {kv_heads} does not divide the {heads} query heads; use a divisor of {current}")
     require(current % kv_heads == 0, f"--kv-heads {kv_heads} does not divide the {current} KV heads into equal groups; use a divisor of {current}")
     return config
@@ -952,8 +968,11 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
     config.validate()
     kv_before = _check_kv_merge_target(model, config.kv_heads).num_key_value_heads
     grouping = 1 < config.kv_heads < kv_before  # with one group, or one head a group, there is nothing to choose
-    needs_calibration = config.method == "aligned" or grouping or config.heal_steps > 0
-    run, loaded, chain, calib = begin_stage(model, calibration, out, f"kv-merge --method {config.method}", needs_calibration)
+    needs_calibration = needed_by("kv-merge", {
+        f"--method {config.method}": config.method == "aligned", f"--kv-heads {config.kv_heads}": grouping,
+        f"--heal-steps {config.heal_steps}": config.heal_steps > 0,
+    })
+    run, loaded, chain, calib = begin_stage(model, calibration, out, needs_calibration)
     model_config = loaded.config
     require(
         config.method == "mean" or config.kv_heads == kv_before or not hasattr(decoder_layers(loaded.model)[0].self_attn, "k_norm"),
@@ -1027,7 +1046,8 @@ class DraftConfig:
         from compressors.recovery import LOSSES
 
         require(not (self.layers and self.draft), "pass either --layers N (a subset of the target's layers) or --draft MODEL, not both")
-        require(self.layers > 0 or bool(self.draft), f"pass --layers N (target layers the draft keeps, e.g. 4) or --draft MODEL (got --layers {self.layers})")
+        require(self.layers >= 0, f"--layers must be a positive count of target layers (got {self.layers}); pass e.g. --layers 4")
+        require(self.layers > 0 or bool(self.draft), "pass --layers N (target layers the draft keeps, e.g. 4) or --draft MODEL")
         require(self.selection in SELECTIONS, f"unknown selection '{self.selection}'; use one of {', '.join(SELECTIONS)}")
         require(self.loss in LOSSES, f"unknown loss '{self.loss}'; use one of {', '.join(LOSSES)}")
         require(self.vocab_trim >= 0, f"--vocab-trim must be 0 (off) or a token count such as 8192 (got {self.vocab_trim})")
@@ -1076,7 +1096,7 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
 
     config.validate()
     require_output_path(out, directory=True, inputs=(target, calibration, config.draft or None))
-    require_calibration(calibration, "draft", True)
+    require_calibration(calibration, "draft")
     run = StageRun()
     target_folder = resolve_model(target)
     target_config = load_config(target_folder)
@@ -1222,14 +1242,15 @@ def evaluate_draft(draft_model: str, target: str, out: Path | None, config: Spec
     from pipelines.serving import load_draft
 
     config.validate()
-    require(out is None or not Path(out).is_dir(), f"metrics path {out} is a directory; pass a .json file path")
+    if out is not None:
+        require_output_path(out, directory=False)
     loaded = load_model(target)
     model, token_ids = load_draft(draft_model, loaded, allow_other_target)
     chains = model_chain(target, loaded.folder, loaded.config) + model_chain(draft_model, resolve_model(draft_model), model.config)
     prompts = []
     for i, corpus in enumerate(config.corpus_list):
         share = config.prompts // len(config.corpus_list) + (i < config.prompts % len(config.corpus_list))
-        prompts += [window[None] for window in held_out_windows(corpus, loaded.tokenizer, chains, share, config.prompt_len)[0]] if share else []
+        prompts += [window[None] for window in held_out_windows(corpus, loaded.tokenizer, chains, share, config.prompt_len, ("--prompts", "--prompt-len"))[0]] if share else []
     metrics = {
         "draft": draft_model, "target": target, "draft_layers": model.config.num_hidden_layers,
         # what ties these numbers to the two models (a published card picks them up by these)

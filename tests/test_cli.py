@@ -87,7 +87,7 @@ def test_corpus_shorter_than_samples_times_length(tmp_path):
     (tmp_path / "short.txt").write_text("Too short to calibrate on.")
     out = tmp_path / "cal"
     result = run_cli("calibrate", "--corpus", tmp_path / "short.txt", "--out", out, "--samples", "8", "--seq-len", "512")
-    assert_user_error(result, "fewer than the 8 needed; use fewer samples, shorter sequences or more text", out)
+    assert_user_error(result, "fewer than the 8 needed; pass a smaller --samples or --seq-len, or more text", out)
 
 
 def test_unknown_corpus_name(tmp_path):
@@ -182,6 +182,9 @@ def test_evaluate_generate_and_validate_refuse_bad_paths_and_values(tmp_path):
     assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", model_copy), "is not an lmpress reference cache")
     assert_user_error(run_cli("generate", REAL_MODEL, " "), "the prompt is empty")
     assert_user_error(run_cli("generate", REAL_MODEL, "Hi", "--max-new-tokens", "0"), "--max-new-tokens must be positive (got 0)")
+    assert_user_error(run_cli("generate", REAL_MODEL, "Hi", "--lookahead", "8"), "--lookahead sets how many tokens a draft proposes; pass --draft MODEL")
+    assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", tmp_path / "ref", "--windows", "2", "--seq-len", "100000"),
+                      "1 windows of 100000, fewer than the 2 needed; pass a smaller --windows or --seq-len, or more text")
     assert_user_error(run_cli("validate", REAL_MODEL, "--out", tmp_path), f"output path {tmp_path} is a directory")
     assert list(tmp_path.glob(".*partial*")) == []
 

@@ -59,7 +59,7 @@ def test_sampling_is_seeded_disjoint_and_shares_parts(real_tokenizer, tmp_path):
 
 def test_too_little_text_says_how_much_there_is(real_tokenizer, tmp_path):
     (tmp_path / "short.txt").write_text("A few words only.")
-    with pytest.raises(LmpressError, match="fewer than the 4 needed; use fewer samples"):
+    with pytest.raises(LmpressError, match="fewer than the 4 needed; pass a smaller --samples or --seq-len"):
         sample_windows(str(tmp_path / "short.txt"), real_tokenizer, 4, 512, seed=0)
 
 

@@ -88,6 +88,8 @@ def test_bad_grid_settings():
         GridSpec(4, 48)
     with pytest.raises(LmpressError, match="group size 128 does not divide the input width 576 of x; use a group size that divides it \\(32, 64\\)"):
         GridSpec(4, 128).check_width(576, "x")
+    with pytest.raises(LmpressError, match="does not divide the input width 1273 of x; none of 32, 64, 128 does: use -1 \\(per-channel\\)$"):
+        GridSpec(4, 32).check_width(1273, "x")  # a structured-pruned width
 
 
 def test_rtn_artifact_loads_in_stock_transformers_and_round_trips(tmp_path, tiny_folder):

@@ -37,6 +37,9 @@ def test_allocations_and_mutations_stay_within_budget():
     assert uniform_genome(units, 3.0 * total) == [2] * len(units)  # exactly the 3-bit level
     with pytest.raises(LmpressError, match="no assignment.*cheapest one costs 2 per weight; raise it"):
         check_budget(units, 1.9 * total, "1.9 bits", lambda cost: f"{cost / total:g} per weight", "raise it")
+    with pytest.raises(LmpressError, match="leaves nothing to search: every unit at its least compressed level costs 8 per weight"):
+        check_budget(units, 8.0 * total, "8 bits", lambda cost: f"{cost / total:g} per weight", "raise it")
+    check_budget(units, 7.9 * total, "7.9 bits", lambda cost: f"{cost / total:g} per weight", "raise it")
 
 
 def test_latency_costs_need_not_fall_with_compression():
@@ -229,6 +232,8 @@ def test_search_bad_input_fails_cleanly(tmp_path, tiny_setup, real_model_folder)
     out = tmp_path / "plan"
     result = run_cli(*search_args(tiny_setup, out, "--budget-bits", "1.5"))
     assert result.returncode != 0 and "no assignment" in result.stderr and "Traceback" not in result.stderr
+    result = run_cli(*search_args(tiny_setup, out, "--budget-bits", "9"))  # above the 8-bit level's 8.5: every linear fits at 8 bits
+    assert result.returncode == 2 and "leaves nothing to search: every unit at its least compressed level costs 8.5 per weight" in result.stderr
     result = run_cli(*search_args(tiny_setup, out, "--budget-bits", "3", "--target-sparsity", "0.5"))
     assert result.returncode != 0 and "exactly one budget" in result.stderr
     config = tiny_config("llama")

@@ -185,6 +185,15 @@ def test_structured_bad_input_fails_cleanly(tmp_path, tiny_setup):
         with pytest.raises(LmpressError, match=message.replace("(", r"\(").replace(")", r"\)")):
             stage(str(folder), calibration, out, config)
         assert not out.exists() and not leftovers(out)
+    # without calibration, the error names the options that need it
+    for stage, config, message in [
+        (drop_layers, DropLayersConfig(scorer="last", recovery_steps=2), "drop-layers --recovery-steps 2 needs --calibration"),
+        (drop_layers, DropLayersConfig(), "drop-layers --scorer influence needs --calibration"),
+        (prune_structured, StructuredConfig(target_params=0.9, scorer="magnitude", bias_compensation=True), "prune-structured --bias-compensation true needs"),
+    ]:
+        with pytest.raises(LmpressError, match=message):
+            stage(str(folder), None, out, config)
+        assert not out.exists() and not leftovers(out)
     # the calibration's stored statistics are the base's: a narrower model needs its own
     narrower = prune_structured(str(folder), calibration, tmp_path / "narrow", StructuredConfig(target_params=0.99, bias_compensation=False))
     with pytest.raises(LmpressError, match="stored statistics are the base model's, where mlp.down_proj reads 96 features"):
