@@ -123,8 +123,8 @@ def quantize(
         help="Sequential gptq / squeezellm: quantize a layer's linears group by group (q/k/v, o, gate/up, down), each from inputs that went through the groups before it, quantized (AutoGPTQ's and GPTQModel's default; more passes per layer).",
     ),
     forward_dtype: str = typer.Option(
-        "float32", "--forward-dtype",
-        help="Sequential mode: dtype the layers run in while statistics are collected, float32 or bfloat16 (about 3x faster on CPUs with AVX512-BF16; weights stay as loaded).",
+        "auto", "--forward-dtype",
+        help="Sequential mode: dtype the layers run in while statistics are collected: auto (bfloat16 on CPUs with AVX512-BF16 or AMX, where it is faster; float32 elsewhere, where bf16 is emulated and several times slower), float32 or bfloat16. Weights stay as loaded.",
     ),
     skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'layers\\.0\\.,down_proj'."),
     overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to {bits, group_size, symmetric} (per-layer plan)."),
@@ -161,7 +161,7 @@ def prune(
     sequential: Switch = typer.Option(
         Switch.true, help="Re-collect each layer's statistics on the already-pruned model (slower, better) instead of using the stored ones.",
     ),
-    forward_dtype: str = typer.Option("float32", "--forward-dtype", help="Sequential mode: dtype of the layer passes, float32 or bfloat16."),
+    forward_dtype: str = typer.Option("auto", "--forward-dtype", help="Sequential mode: dtype of the layer passes: auto (as quantize's), float32 or bfloat16."),
     skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'down_proj'."),
     overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to a pattern (\"4:8\"), a sparsity (0.6) or {pattern, bits, group_size}: the per-layer plan."),
     batch_size: int = SEQUENTIAL_BATCH_SIZE,

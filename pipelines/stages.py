@@ -341,6 +341,17 @@ QUANTIZE_METHODS = ("rtn", "gptq", "awq", *CODEBOOK_METHODS, "nf4", "int8")
 CALIBRATED_METHODS = ("gptq", "awq", *CODEBOOK_METHODS)
 PER_LINEAR_METHODS = ("gptq", *CODEBOOK_METHODS)  # each linear from its own input statistics (AWQ scales a layer's linears together)
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_forward_dtype(name: str) -> str:
+    """The sequential passes' dtype; `auto` is bfloat16 where the CPU multiplies it natively
+    (AVX512-BF16 or AMX: about 30% faster than float32, same quality) and float32 elsewhere,
+    where oneDNN emulates bf16 (an AVX2 Zen 3: a 2048x576 by 576x1536 linear 7.5x slower)."""
+    require(name in ("auto", *FORWARD_DTYPES), f"forward dtype must be auto, float32 or bfloat16 (got '{name}')")
+    if name != "auto":
+        return name
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()  # torch's own CPU feature probes
+    return "bfloat16" if native else "float32"
 BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
 
 
@@ -363,7 +374,7 @@ class QuantizeConfig:
     clip_search: bool | None = None  # gptq with static groups (act_order): fit each group's grid with AWQ's output-error clip search; None: on where it applies
     sequential: bool = True
     true_sequential: bool = False  # sequential gptq / squeezellm: each group of linears sees the groups before it compressed
-    forward_dtype: str = "float32"  # float32 | bfloat16: the layers' dtype in the sequential passes
+    forward_dtype: str = "auto"  # auto | float32 | bfloat16: the layers' dtype in the sequential passes (auto: resolve_forward_dtype)
     skip: str = ""  # comma-separated regexes of linear names left dense
     overrides: str = ""  # YAML file: {regex of linear names: {bits, group_size, symmetric}}
     batch_size: int = 4  # sequential passes: as fast as 8, with a lower memory peak (smaller transients to fragment the heap)
@@ -377,7 +388,7 @@ class QuantizeConfig:
 
             check_bits(self.bits)
         require_positive(batch_size=self.batch_size)
-        require(self.forward_dtype in FORWARD_DTYPES, f"forward dtype must be float32 or bfloat16 (got '{self.forward_dtype}')")
+        self.forward_dtype = resolve_forward_dtype(self.forward_dtype)  # the lineage records the dtype that ran
         require(
             not self.true_sequential or (self.sequential and self.method in PER_LINEAR_METHODS),
             f"--true-sequential takes --sequential true and a method that quantizes each linear from its own inputs "
@@ -617,7 +628,7 @@ class PruneConfig:
     clip_search: bool | None = None  # those linears' static groups clipped as quantize's are; None: on where it applies
     damp: float = 0.01
     sequential: bool = True
-    forward_dtype: str = "float32"
+    forward_dtype: str = "auto"
     skip: str = ""  # comma-separated regexes of linear names left dense
     overrides: str = ""  # YAML file: {regex of linear names: pattern, e.g. "4:8" or 0.6, or {pattern, bits, group_size, symmetric}}
     batch_size: int = 4  # sequential passes, as quantize's
@@ -638,7 +649,7 @@ class PruneConfig:
         if self.bits:
             self.grid()
         require_positive(batch_size=self.batch_size)
-        require(self.forward_dtype in FORWARD_DTYPES, f"forward dtype must be float32 or bfloat16 (got '{self.forward_dtype}')")
+        self.forward_dtype = resolve_forward_dtype(self.forward_dtype)  # the lineage records the dtype that ran
 
     def grid(self, settings: dict | None = None):
         """The grid of the kept weights: the config's, or a plan entry's {bits, group_size,
