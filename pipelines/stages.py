@@ -341,6 +341,7 @@ QUANTIZE_METHODS = ("rtn", "gptq", "awq", *CODEBOOK_METHODS, "nf4", "int8")
 CALIBRATED_METHODS = ("gptq", "awq", *CODEBOOK_METHODS)
 PER_LINEAR_METHODS = ("gptq", *CODEBOOK_METHODS)  # each linear from its own input statistics (AWQ scales a layer's linears together)
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
 
 
 def resolve_forward_dtype(name: str) -> str:
@@ -352,7 +353,6 @@ def resolve_forward_dtype(name: str) -> str:
         return name
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()  # torch's own CPU feature probes
     return "bfloat16" if native else "float32"
-BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
 
 
 def resolve_clip_search(clip_search: bool | None, static_groups: bool, needs: str) -> bool:
@@ -663,9 +663,13 @@ class PruneConfig:
     def refine(self) -> bool:
         return self.refine_cycles > 0
 
+    def options_needing_calibration(self) -> dict[str, bool]:
+        """The options, as typed, that need calibration data (see `needed_by`)."""
+        return {f"--method {self.method}": self.method != "magnitude", f"--refine-cycles {self.refine_cycles}": self.refine}
+
     @property
     def needs_calibration(self) -> bool:
-        return self.method != "magnitude" or self.refine
+        return any(self.options_needing_calibration().values())
 
 
 def pruning_plan(model, config: PruneConfig, overrides: dict) -> dict:
@@ -706,8 +710,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     from pipelines.serving import bundle_kernels, validate
 
     config.validate()
-    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by(
-        "prune", {f"--method {config.method}": config.method != "magnitude", f"--refine-cycles {config.refine_cycles}": config.refine}))
+    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("prune", config.options_needing_calibration()))
     overrides = load_overrides(config.overrides)
     plan = pruning_plan(loaded.model, config, overrides)
     require(bool(plan), "nothing to prune: every linear was skipped")

@@ -6,15 +6,32 @@ import torch
 from calibrate.corpora import (
     NAMED_CORPORA, austen_novels, check_disjoint, corpus_parts, leading_windows, load_corpus_part, sample_windows, tokenize_part,
 )
+from calibrate import corpora
 from pipelines.errors import LmpressError
 
 
 def test_austen_novels_parse_from_the_debian_package():
-    novels = austen_novels()
+    novels = corpora._parse_austen_database(corpora._austen_data_dir())
     assert sorted(novels) == sorted(["emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"])
     assert novels["prideprejudice"].startswith("PRIDE AND PREJUDICE")
     assert "It is a truth universally acknowledged" in novels["prideprejudice"]
     assert sum(len(text.split()) for text in novels.values()) > 700_000
+
+
+def test_austen_novels_are_parsed_once_then_read_from_the_cached_copy(tmp_path, monkeypatch):
+    data = corpora._austen_data_dir()
+    monkeypatch.setattr(corpora, "_austen_data_dir", lambda: data)
+    monkeypatch.setattr(corpora, "cache_root", lambda: tmp_path)
+    austen_novels.cache_clear()
+    try:
+        parsed = austen_novels()
+        (copy,) = (tmp_path / "janeaustenr").glob("novels-*.json")
+        assert json.loads(copy.read_text()) == parsed == corpora._parse_austen_database(data)
+        monkeypatch.setattr(corpora, "_parse_austen_database", lambda _: pytest.fail("parsed again despite the copy"))
+        austen_novels.cache_clear()
+        assert austen_novels() == parsed
+    finally:
+        austen_novels.cache_clear()
 
 
 @pytest.mark.parametrize("domain", ["austen", "pydoc"])
