@@ -21,6 +21,18 @@ def quality_arguments(default_runs: str, out_name: str):
     return parser
 
 
+def evaluation_config(reference: Path):
+    """The evaluation settings `reference` was built with (so a benchmark scores against the
+    pipeline's reference whatever its window count), or the defaults where it is still to be built."""
+    from pipelines.stages import EvaluateConfig
+
+    manifest = Path(reference) / "manifest.json"
+    if not manifest.is_file():
+        return EvaluateConfig()
+    built = json.loads(manifest.read_text())
+    return EvaluateConfig(windows=built["windows"], seq_len=built["seq_len"])
+
+
 def scratch_directory() -> Path:
     """A temporary folder for a benchmark's models, removed when the benchmark exits (each
     model is hundreds of MB; a long run would otherwise fill the disk)."""

@@ -24,8 +24,8 @@ os.environ.setdefault("LMPRESS_QUIET", "1")
 
 import torch  # noqa: E402
 
-from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, scratch_directory  # noqa: E402
-from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
+from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, evaluation_config, scratch_directory  # noqa: E402
+from pipelines.stages import evaluate  # noqa: E402
 
 DEFAULT_RUNS = "mean:1,aligned:1:16,aligned:1,aligned:1:64,aligned:1:32:heal,mean:1:32:heal"
 
@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    evaluation = EvaluateConfig()
+    evaluation = evaluation_config(args.reference)
     base = flatten(evaluate(args.model, args.reference, None, evaluation))
     rows = [{"run": "base (fp32)", "KV bytes/token (fp16)": base["kv_cache_bytes_per_token_fp16"], **base}]
     work = scratch_directory()

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/llmcompressor_side_by_side.py [--calibration artifacts/calibration]
         [--reference artifacts/reference] [--bits 4,3] [--group-size 64]
-        [--tools llm-compressor,lmpress,lmpress-stored,lmpress-bf16] [--out FILE]
+        [--tools llm-compressor,lmpress,lmpress-whole,lmpress-stored,lmpress-bf16] [--out FILE]
     .venv/bin/python benchmarks/llmcompressor_side_by_side.py --merge A.json B.json [--out FILE]
 
 llm-compressor is installed by this script into its own environment
@@ -10,8 +10,11 @@ llm-compressor is installed by this script into its own environment
 transformers versions pinned below, which differ from lmpress's). Both tools quantize with
 symmetric group-64 GPTQ, static act-order, damping 0.01, on the calibration artifact's very
 token samples. The lmpress tools:
-    lmpress         layer-sequential in fp32, as llm-compressor here
-    lmpress-bf16    layer-sequential with bf16 layer passes (the default pipeline's setting)
+    lmpress         layer-sequential in fp32, as llm-compressor here, and true-sequential inside
+                    each layer (lmpress's default since 2026-11-25; the runs before it were -whole)
+    lmpress-whole   layer-sequential in fp32, each layer's statistics collected for all its
+                    linears in one pass of the whole layer (--true-sequential false)
+    lmpress-bf16    layer-sequential with bf16 layer passes
     lmpress-stored  from the calibration artifact's stored statistics (the calibrate stage
                     makes them once for every later stage)
     TOOL+clip       the same with `--clip-search true` (lmpress's default; the tools without
@@ -45,7 +48,8 @@ from pipelines.stages import QuantizeConfig, quantize
 start = time.perf_counter()
 tool, _, option = sys.argv[5].partition("+")
 config = QuantizeConfig(method="gptq", bits=int(sys.argv[2]), group_size=int(sys.argv[3]), sequential=tool != "lmpress-stored",
-                        forward_dtype="bfloat16" if tool == "lmpress-bf16" else "float32", clip_search=option == "clip")
+                        forward_dtype="bfloat16" if tool == "lmpress-bf16" else "float32", clip_search=option == "clip",
+                        true_sequential=False if tool == "lmpress-whole" else None)
 quantize("smollm2-135m", Path(sys.argv[1]), Path(sys.argv[4]), config)
 from pipelines.artifact import peak_rss_bytes
 print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(peak_rss_bytes() / 2**20)}))
@@ -94,7 +98,8 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("LMPRESS_QUIET", "1")
     from pipelines.models import resolve_model
-    from pipelines.stages import EvaluateConfig, evaluate
+    from benchmarks._report import evaluation_config
+    from pipelines.stages import evaluate
 
     python = ensure_environment() if "llm-compressor" in args.tools.split(",") else None  # its own venv, built once
     model_folder = resolve_model("smollm2-135m")
@@ -109,7 +114,7 @@ def main() -> None:
             else:
                 command = [sys.executable, "-c", LMPRESS_RUN, str(args.calibration), str(bits), str(args.group_size), str(out), tool]
             cost = run_json(command)
-            metrics = evaluate(str(out), args.reference, None, EvaluateConfig(), base="smollm2-135m")
+            metrics = evaluate(str(out), args.reference, None, evaluation_config(args.reference), base="smollm2-135m")
             row = {"tool": tool, "bits": bits, "group_size": args.group_size, **cost, "threads": os.environ.get("OMP_NUM_THREADS", "default"),
                    "cpus": len(os.sched_getaffinity(0))}
             for corpus in CORPORA:

@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, scratch_directory  # noqa: E402
-from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
+from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, evaluation_config, scratch_directory  # noqa: E402
+from pipelines.stages import evaluate  # noqa: E402
 
 DEFAULT_RUNS = ",".join(
     f"{method}:{pattern}{refine}" for pattern in ("0.5", "2-4") for method in ("magnitude", "wanda", "sparsegpt") for refine in ("", ":refine")
@@ -38,7 +38,7 @@ def main() -> None:
     parser = quality_arguments(DEFAULT_RUNS, "prune_quality")
     args = parser.parse_args()
 
-    evaluation = EvaluateConfig()
+    evaluation = evaluation_config(args.reference)
     rows = [{"run": "base (fp32)", **flatten(evaluate(args.model, args.reference, None, evaluation))}]
     work = scratch_directory()
     for spec in args.runs.split(","):

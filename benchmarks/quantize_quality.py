@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import flatten as _flatten, write_quality_table, scratch_directory  # noqa: E402
-from pipelines.stages import EvaluateConfig, QuantizeConfig, evaluate, quantize  # noqa: E402
+from benchmarks._report import flatten as _flatten, write_quality_table, evaluation_config, scratch_directory  # noqa: E402
+from pipelines.stages import QuantizeConfig, evaluate, quantize  # noqa: E402
 
 DEFAULT_RUNS = "rtn:4:64,gptq:4:64,awq:4:64,nf4,rtn:3:64,gptq:3:64,awq:3:64"
 
@@ -39,21 +39,22 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
     parser.add_argument(
         "--runs", default=DEFAULT_RUNS,
-        help="method[:bits:group_size[:stored][:noclip][:bf16][:trueseq]], comma-separated; ':stored' uses the stored statistics "
+        help="method[:bits:group_size[:stored][:noclip][:bf16][:whole]], comma-separated; ':stored' uses the stored statistics "
         "(no forward passes), ':noclip' turns GPTQ's clip search off (min-max groups, as the results before it were measured), "
-        "':bf16' runs the sequential passes in bfloat16 (the pipeline's setting), ':trueseq' quantizes each layer group by group "
-        "(--true-sequential)",
+        "':bf16' runs the sequential passes in bfloat16 (the pipeline's setting), ':whole' collects each layer's statistics for all "
+        "its linears at once (--true-sequential false; the default until 2026-11-25, when true-sequential went to one pass; "
+        "'trueseq' in the runs of that time's results)",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantize_quality")
     args = parser.parse_args()
 
-    evaluation = EvaluateConfig()
+    evaluation = evaluation_config(args.reference)
     rows = [{"run": "base (fp32)", **_flatten(evaluate(args.model, args.reference, None, evaluation))}]
     work = scratch_directory()
     for spec in args.runs.split(","):
         method, *rest = spec.split(":")
         config = QuantizeConfig(method=method, sequential="stored" not in rest, clip_search=False if "noclip" in rest else None,
-                                forward_dtype="bfloat16" if "bf16" in rest else "float32", true_sequential="trueseq" in rest)
+                                forward_dtype="bfloat16" if "bf16" in rest else "float32", true_sequential=False if "whole" in rest else None)
         if len(rest) >= 2:
             config.bits, config.group_size = int(rest[0]), int(rest[1])
         start = time.perf_counter()

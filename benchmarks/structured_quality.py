@@ -30,10 +30,10 @@ os.environ.setdefault("LMPRESS_QUIET", "1")
 
 import torch  # noqa: E402
 
-from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, scratch_directory  # noqa: E402
+from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, evaluation_config, scratch_directory  # noqa: E402
 from benchmarks.decode_speed import side_by_side  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
-from pipelines.stages import EvaluateConfig, evaluate  # noqa: E402
+from pipelines.stages import evaluate  # noqa: E402
 
 DEFAULT_RUNS = ",".join([
     *(f"width:{run}" for keep in ("0.9", "0.8", "0.7") for run in (f"flap:{keep}", f"magnitude:{keep}")),
@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    evaluation = EvaluateConfig()
+    evaluation = evaluation_config(args.reference)
     base_model = load_model(args.model)
     base = flatten(evaluate(args.model, args.reference, None, evaluation))
     rows = [{"run": "base (fp32)", "params (M)": round(base["parameters"] / 1e6, 1), "speed vs base": 1.0, **base}]

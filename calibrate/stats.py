@@ -90,6 +90,10 @@ class Moments:
         np.divide(self.xtx_lower.numpy(), self.count, out=moment.numpy(), casting="unsafe")  # the upper half: 0
         return moment.add_(moment.tril(-1).T)
 
+    def statistics(self) -> "LinearStatistics":
+        """What a compressor reads (fp32) of the input these moments summed."""
+        return LinearStatistics(self.second_moment(torch.float32), (self.sum / self.count).float(), (self.abs_sum / self.count).float(), self.count)
+
 
 class HeadSimilarity:
     """Token-averaged cosine similarity between heads of a k/v projection output."""
@@ -151,9 +155,8 @@ class LayerStatisticsCollector:
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for name, m in self.moments.items():
-            out[f"{name}.second_moment"] = m.second_moment(torch.float32)
-            out[f"{name}.mean"] = (m.sum / m.count).float().contiguous()
-            out[f"{name}.abs_mean"] = (m.abs_sum / m.count).float().contiguous()
+            stats = m.statistics()
+            out.update({f"{name}.second_moment": stats.second_moment, f"{name}.mean": stats.mean, f"{name}.abs_mean": stats.abs_mean})
         for kind, s in self.similarity.items():
             if s.count:  # a collector on a subset of the linears may see no k/v outputs
                 out[f"kv.{kind}_cosine"] = (s.total / s.count).float().contiguous()
@@ -165,11 +168,8 @@ class LayerStatisticsCollector:
 
     def statistics(self) -> dict[str, "LinearStatistics"]:
         """linear path in the layer -> its input statistics (as CalibrationData.layer gives)."""
-        tensors = self.tensors()
-        return {
-            linear: LinearStatistics(tensors[f"{g}.second_moment"], tensors[f"{g}.mean"], tensors[f"{g}.abs_mean"], self.tokens)
-            for linear, g in self.group.items()
-        }
+        shared = {g: moments.statistics() for g, moments in self.moments.items()}
+        return {linear: shared[g] for linear, g in self.group.items()}
 
 
 @dataclass

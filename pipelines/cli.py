@@ -118,9 +118,9 @@ def quantize(
         Switch.true,
         help="Calibrated methods: re-collect each layer's statistics on the already-quantized model (slower, better) instead of using the stored ones.",
     ),
-    true_sequential: Switch = typer.Option(
-        Switch.false, "--true-sequential",
-        help="Sequential gptq / squeezellm: quantize a layer's linears group by group (q/k/v, o, gate/up, down), each from inputs that went through the groups before it, quantized (AutoGPTQ's and GPTQModel's default; more passes per layer).",
+    true_sequential: Optional[Switch] = typer.Option(
+        None, "--true-sequential", show_default="on with --sequential true for gptq and squeezellm",
+        help="Quantize a layer's linears group by group (q/k/v, o, gate/up, down), each from inputs that went through the groups before it, quantized (AutoGPTQ's and GPTQModel's default; each linear still runs once per layer).",
     ),
     forward_dtype: str = typer.Option(
         "auto", "--forward-dtype",
@@ -135,7 +135,7 @@ def quantize(
 
     config = QuantizeConfig(
         method=method, bits=bits, group_size=group_size, symmetric=bool(symmetric), act_order=bool(act_order), damp=damp,
-        clip_search=optional_switch(clip_search), sequential=bool(sequential), true_sequential=bool(true_sequential), forward_dtype=forward_dtype,
+        clip_search=optional_switch(clip_search), sequential=bool(sequential), true_sequential=optional_switch(true_sequential), forward_dtype=forward_dtype,
         skip=skip, overrides=overrides, batch_size=batch_size,
     )
     path = run(model, calibration, out, config)

@@ -33,13 +33,18 @@ def cache_root() -> Path:
 class Architecture:
     """Where a decoder-only family keeps its layers and projections (module paths), and the
     RMSNorms that feed the attention and MLP inputs (`norm_offset` 1: the norm multiplies by
-    1 + weight, as Gemma's do)."""
+    1 + weight, as Gemma's do). Every family here is pre-norm:
+        h = x + attention_out_norm(attention(attention_norm(x)))
+        y = h + mlp_out_norm(mlp(mlp_norm(h)))
+    with the output norms only where named (Gemma's)."""
 
     layers: str = "model.layers"
     attention: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     mlp: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     attention_norm: str = "input_layernorm"
     mlp_norm: str = "post_attention_layernorm"
+    attention_out_norm: str | None = None
+    mlp_out_norm: str | None = None
     norm_offset: float = 0.0
 
     @property
@@ -53,7 +58,9 @@ class Architecture:
         return self.attention[:-1], self.attention[-1:], self.mlp[:-1], self.mlp[-1:]
 
 
-_GEMMA = Architecture(mlp_norm="pre_feedforward_layernorm", norm_offset=1.0)
+_GEMMA = Architecture(
+    mlp_norm="pre_feedforward_layernorm", attention_out_norm="post_attention_layernorm", mlp_out_norm="post_feedforward_layernorm", norm_offset=1.0,
+)
 
 # The families share module names; the table says which ones were checked (tests build a tiny
 # random model of each). Phi3 fuses qkv and gate/up into single linears and is not listed.

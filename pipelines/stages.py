@@ -226,7 +226,7 @@ def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfi
 # --------------------------------------------------------------------------- layer walk
 
 
-def walk_layers(loaded, calib, config, process, advance, finished=None, true_sequential=False) -> None:
+def walk_layers(loaded, calib, config, process, advance, finished=None, true_sequential=False, scratch: Path | None = None) -> None:
     """Call `process(index, layer, statistics)` for every decoder layer, in order. With
     `config.sequential` the statistics are collected by the layer runner on the model as
     compressed so far (each layer sees the already-compressed layers' outputs, the way GPTQ,
@@ -235,7 +235,8 @@ def walk_layers(loaded, calib, config, process, advance, finished=None, true_seq
     `true_sequential` (sequential only) calls `process` once per group of linears that read
     one tensor (q/k/v, o, gate/up, down), each group's statistics collected after the groups
     before it are compressed, so o_proj sees the compressed q/k/v's outputs and so on (GPTQ's
-    true-sequential mode, AutoGPTQ's and GPTQModel's default); `statistics` then holds that
+    true-sequential mode, AutoGPTQ's and GPTQModel's default; `LayerRunner.forward_true_sequential`,
+    which keeps two of the groups' inputs in a file in `scratch`); `statistics` then holds that
     group's linears only. `finished(index, layer)` is called once the walk is done with a
     layer (its outputs, if any, have gone on to the next one), then `advance()`."""
     layers = decoder_layers(loaded.model)
@@ -250,15 +251,16 @@ def walk_layers(loaded, calib, config, process, advance, finished=None, true_seq
         runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=done, dtype=FORWARD_DTYPES[config.forward_dtype])
         embedding = next(name for name, p in loaded.model.named_parameters() if p is loaded.model.get_input_embeddings().weight)
         map_weights(loaded, [embedding])  # the runner is done with it: a fresh map drops the pages its first pass read
-        groups = arch.input_groups if true_sequential else (arch.linears,)
         for index, layer in runner:
-            for group in groups:  # each pass stops at its group's last linear, once the moments are taken
-                with LayerStatisticsCollector({name: layer.get_submodule(name) for name in group}, loaded.config) as collector:
-                    runner.forward(layer, propagate=False, until=layer.get_submodule(group[-1]))
-                statistics = collector.statistics()
-                del collector  # its fp64 sums and buffers, before the compressor's own working memory
-                process(index, layer, statistics)
-                del statistics  # not held through the layer's outputs pass, where it would pin the heap's top
+            if true_sequential:
+                runner.forward_true_sequential(layer, arch, lambda statistics: process(index, layer, statistics), scratch)
+                continue
+            with LayerStatisticsCollector({name: layer.get_submodule(name) for name in arch.linears}, loaded.config) as collector:
+                runner.forward(layer, propagate=False, until=layer.get_submodule(arch.linears[-1]))  # the moments taken, down need not run
+            statistics = collector.statistics()
+            del collector  # its fp64 sums and buffers, before the compressor's own working memory
+            process(index, layer, statistics)
+            del statistics  # not held through the layer's outputs pass, where it would pin the heap's top
         return
     base_index = base_layer_indices(read_lineage(loaded.folder))
     for index, layer in enumerate(layers):
@@ -355,12 +357,17 @@ def resolve_forward_dtype(name: str) -> str:
     return "bfloat16" if native else "float32"
 
 
+def resolve_where_it_applies(value: bool | None, applies: bool, refusal: str) -> bool:
+    """An on/off option as a stage runs it: None (the default) is on wherever it applies, an
+    explicit on elsewhere is refused with `refusal`. The resolved value is what the lineage
+    records."""
+    require(not value or applies, refusal)
+    return applies if value is None else value
+
+
 def resolve_clip_search(clip_search: bool | None, static_groups: bool, needs: str) -> bool:
-    """--clip-search as a stage runs it: None (the default) is on wherever GPTQ has static
-    groups, the only grids it fits; an explicit on elsewhere is refused. The resolved value is
-    what the lineage records."""
-    require(not clip_search or static_groups, f"--clip-search fits GPTQ's static groups: use it with {needs}, or pass --clip-search false")
-    return static_groups if clip_search is None else clip_search
+    """--clip-search: on wherever GPTQ has static groups, the only grids it fits."""
+    return resolve_where_it_applies(clip_search, static_groups, f"--clip-search fits GPTQ's static groups: use it with {needs}, or pass --clip-search false")
 
 
 @dataclass
@@ -373,7 +380,7 @@ class QuantizeConfig:
     damp: float = 0.01
     clip_search: bool | None = None  # gptq with static groups (act_order): fit each group's grid with AWQ's output-error clip search; None: on where it applies
     sequential: bool = True
-    true_sequential: bool = False  # sequential gptq / squeezellm: each group of linears sees the groups before it compressed
+    true_sequential: bool | None = None  # sequential gptq / squeezellm: each group of linears sees the groups before it compressed; None: on where it applies
     forward_dtype: str = "auto"  # auto | float32 | bfloat16: the layers' dtype in the sequential passes (auto: resolve_forward_dtype)
     skip: str = ""  # comma-separated regexes of linear names left dense
     overrides: str = ""  # YAML file: {regex of linear names: {bits, group_size, symmetric}}
@@ -389,8 +396,8 @@ class QuantizeConfig:
             check_bits(self.bits)
         require_positive(batch_size=self.batch_size)
         self.forward_dtype = resolve_forward_dtype(self.forward_dtype)  # the lineage records the dtype that ran
-        require(
-            not self.true_sequential or (self.sequential and self.method in PER_LINEAR_METHODS),
+        self.true_sequential = resolve_where_it_applies(
+            self.true_sequential, self.sequential and self.method in PER_LINEAR_METHODS,
             f"--true-sequential takes --sequential true and a method that quantizes each linear from its own inputs "
             f"({', '.join(PER_LINEAR_METHODS)}); pass --true-sequential false",
         )
@@ -577,7 +584,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     with atomic_directory(out) as tmp, progress_bar(f"quantize ({config.method})", loaded.config.num_hidden_layers) as advance:
         spilled = tmp / ".layers"  # each finished layer's packed weights until the artifact is written
         spilled.mkdir()
-        walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance, release_layer, config.true_sequential)
+        walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance, release_layer, config.true_sequential, tmp)
         for file in spilled.iterdir():
             packed.update(read_spilled(file))
         if sparse or config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):

@@ -52,6 +52,46 @@ def test_runner_propagates_the_changed_layer():
     torch.testing.assert_close(model.base_model.norm(torch.cat(runner.hidden)), expected, rtol=1e-5, atol=1e-5)
 
 
+def _true_sequential_walk(family: str, one_pass: bool, dtype: torch.dtype | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every layer in true-sequential order, each group of linears halved once its input moments
+    are taken: with `one_pass` by `forward_true_sequential`, else the plain way (the layer re-run
+    up to each group, then once more to propagate). Returns the moments and the final hidden states."""
+    from calibrate.stats import LayerStatisticsCollector
+
+    model = tiny_model(family)
+    arch = architecture_of(model.config)
+    runner = LayerRunner(model, torch.randint(0, 320, (5, 24), generator=torch.Generator().manual_seed(1)), batch_size=2, dtype=dtype)
+    moments = []
+
+    def halve(layer, statistics):
+        moments.append(next(iter(statistics.values())).second_moment)
+        for name in statistics:
+            layer.get_submodule(name).weight.data.mul_(0.5)
+
+    for _, layer in runner:
+        if one_pass:
+            runner.forward_true_sequential(layer, arch, lambda statistics: halve(layer, statistics))
+            continue
+        for group in arch.input_groups:
+            with LayerStatisticsCollector({name: layer.get_submodule(name) for name in group}, model.config) as collector:
+                runner.forward(layer, propagate=False, until=layer.get_submodule(group[-1]))
+            halve(layer, collector.statistics())
+    return moments, torch.cat(runner.hidden)
+
+
+@pytest.mark.parametrize("family,dtype", [(family, None) for family in FAMILIES] + [("llama", torch.bfloat16)])
+def test_true_sequential_in_one_pass_equals_rerunning_the_layer_per_group(family, dtype):
+    """The one-pass walk steps through each family's layer along its pre-norm structure (Gemma's
+    output norms included) and keeps o's and down's inputs in a file (bf16 ones too): the
+    moments each group sees and the outputs it propagates are the plain walk's, bit for bit."""
+    moments, hidden = _true_sequential_walk(family, True, dtype)
+    expected_moments, expected_hidden = _true_sequential_walk(family, False, dtype)
+    assert len(moments) == 4 * 4
+    for got, expected in zip(moments, expected_moments):
+        assert torch.equal(got, expected)
+    assert torch.equal(hidden, expected_hidden)
+
+
 def test_unsupported_architecture_names_the_supported_ones():
     from transformers import GPT2Config
 

@@ -341,32 +341,33 @@ def _walk(folder, true_sequential: bool, halve: bool) -> list[tuple[int, dict]]:
 def test_true_sequential_collects_each_group_on_the_groups_before_it_compressed(tiny_folder):
     """GPTQ's true-sequential mode: per layer the compressor is handed q/k/v, then o, then
     gate/up, then down, each group's statistics taken after the groups before it were changed.
-    With nothing changed they are the one-pass statistics, bit for bit; with a change, every
+    With nothing changed they are the whole-layer walk's statistics, bit for bit; with a change, every
     group but a layer's first (which reads the layer's input) sees different inputs."""
     groups = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)]
-    one_pass, grouped = _walk(tiny_folder, False, False), _walk(tiny_folder, True, False)
-    assert [index for index, _ in one_pass] == [0, 1, 2, 3] and [tuple(stats) for _, stats in grouped] == groups * 4
+    whole_layer, grouped = _walk(tiny_folder, False, False), _walk(tiny_folder, True, False)
+    assert [index for index, _ in whole_layer] == [0, 1, 2, 3] and [tuple(stats) for _, stats in grouped] == groups * 4
     for index, stats in grouped:
         for name, moment in stats.items():
-            assert torch.equal(moment, one_pass[index][1][name]), (index, name)
-    one_pass, grouped = _walk(tiny_folder, False, True), _walk(tiny_folder, True, True)
+            assert torch.equal(moment, whole_layer[index][1][name]), (index, name)
+    whole_layer, grouped = _walk(tiny_folder, False, True), _walk(tiny_folder, True, True)
     for index, stats in grouped:
         for name, moment in stats.items():
             first = name in groups[0]  # reads the layer's input, which the whole layer before changed in both modes
-            assert torch.equal(moment, one_pass[index][1][name]) == first, (index, name)
+            assert torch.equal(moment, whole_layer[index][1][name]) == first, (index, name)
 
 
 def test_true_sequential_quantizes_every_linear(tmp_path, real_model_folder):
     """Through the stage: every linear is packed once (a layer's groups spill separately) and
-    the result differs from the one-pass quantization only by the inputs each group saw."""
+    the result differs from the whole-layer walk's quantization only by the inputs each group saw.
+    True-sequential is the default where it applies."""
     from conftest import save_tiny, tiny_config
     from pipelines.serving import packed_weights
     from pipelines.stages import QuantizeConfig, quantize
 
     folder = save_tiny(tmp_path / "tiny", tiny_config("llama"), real_model_folder, tmp_path / "calib")
-    one_pass = packed_weights(quantize(str(folder), tmp_path / "calib", tmp_path / "q", QuantizeConfig(group_size=32)))
-    grouped = packed_weights(quantize(str(folder), tmp_path / "calib", tmp_path / "qt", QuantizeConfig(group_size=32, true_sequential=True)))
-    assert grouped.keys() == one_pass.keys() and len(grouped) == 4 * 7
-    same = {name for name in grouped if torch.equal(grouped[name].packed, one_pass[name].packed)}
+    whole_layer = packed_weights(quantize(str(folder), tmp_path / "calib", tmp_path / "q", QuantizeConfig(group_size=32, true_sequential=False)))
+    grouped = packed_weights(quantize(str(folder), tmp_path / "calib", tmp_path / "qt", QuantizeConfig(group_size=32)))
+    assert grouped.keys() == whole_layer.keys() and len(grouped) == 4 * 7
+    same = {name for name in grouped if torch.equal(grouped[name].packed, whole_layer[name].packed)}
     assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"} <= same
     assert "model.layers.0.self_attn.o_proj" not in same and len(same) < len(grouped)
