@@ -27,7 +27,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from pipelines.models import decoder_layers
+from calibrate.stats import Moments
+from pipelines.models import Architecture, decoder_layers
 
 
 def _to(value, device, dtype=None):
@@ -148,7 +149,8 @@ class LayerRunner:
 
     def _batch_calls(self, layer: nn.Module) -> Iterator[tuple[torch.Tensor, tuple, dict]]:
         """The current layer's recorded call arguments for every batch, on the device and in the
-        runner's dtype, while the layer's parameters are in that dtype."""
+        runner's dtype, while the layer's parameters are in that dtype. `hidden` is the buffer's
+        own view, never a copy: forward_true_sequential updates it in place."""
         with _running_in(layer, self.dtype):
             for hidden, (args, kwargs) in zip(self.hidden, self.calls[self._index]):
                 yield hidden, _to(args, self.device, self.dtype), _to(kwargs, self.device, self.dtype)
@@ -188,21 +190,19 @@ class LayerRunner:
         release_free_memory()  # the pass's transients, so that what runs next (a compressor) starts from its floor
 
     @torch.no_grad()
-    def forward_true_sequential(self, layer: nn.Module, arch, compress: Callable[[dict], None], scratch: Path | None = None) -> None:
+    def forward_true_sequential(self, layer: nn.Module, arch: Architecture, compress: Callable[[dict], None], scratch: Path | None = None) -> None:
         """GPTQ's true-sequential order over the current layer, propagating its outputs, with
         each linear run once. The four groups of linears that read one tensor (q/k/v, o,
         gate/up, down: `arch.input_groups`) are compressed in turn, each from the moments of
         its input as computed with the groups before it compressed: `compress({linear:
-        LinearStatistics})` changes the group's weights. Re-running the layer up to each group
-        (the simple way) runs its linears 2.2 times over; here the layer goes in steps along
+        LinearStatistics})` changes the group's weights (under no_grad). Re-running the layer up
+        to each group (the simple way) runs its linears 2.5 times over; here the layer goes in steps along
         its pre-norm structure (`Architecture`'s docstring), and the two inputs that would cost
         a re-run, the attention's output (o's input) and the MLP's product (down's), are kept
         in a scratch file in `scratch` (a temporary folder by default; one file for the walk) between the step that
         makes them and the one that reads them: disk traffic instead of holding 2.7x the hidden
         states in memory, or re-running gate/up. The hidden states buffer holds the layer's
         input, then the residual after attention, then the layer's output."""
-        from calibrate.stats import Moments
-
         qkv, o, gate_up, down = arch.input_groups
         attention_norm, mlp_norm = layer.get_submodule(arch.attention_norm), layer.get_submodule(arch.mlp_norm)
         attention_out_norm, mlp_out_norm = (layer.get_submodule(name) if name else nn.Identity() for name in (arch.attention_out_norm, arch.mlp_out_norm))

@@ -52,9 +52,9 @@ def test_runner_propagates_the_changed_layer():
     torch.testing.assert_close(model.base_model.norm(torch.cat(runner.hidden)), expected, rtol=1e-5, atol=1e-5)
 
 
-def _true_sequential_walk(family: str, one_pass: bool, dtype: torch.dtype | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _true_sequential_walk(family: str, stepped: bool, dtype: torch.dtype | None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Every layer in true-sequential order, each group of linears halved once its input moments
-    are taken: with `one_pass` by `forward_true_sequential`, else the plain way (the layer re-run
+    are taken: `stepped` by `forward_true_sequential` (each linear run once), else the plain way (the layer re-run
     up to each group, then once more to propagate). Returns the moments and the final hidden states."""
     from calibrate.stats import LayerStatisticsCollector
 
@@ -69,7 +69,7 @@ def _true_sequential_walk(family: str, one_pass: bool, dtype: torch.dtype | None
             layer.get_submodule(name).weight.data.mul_(0.5)
 
     for _, layer in runner:
-        if one_pass:
+        if stepped:
             runner.forward_true_sequential(layer, arch, lambda statistics: halve(layer, statistics))
             continue
         for group in arch.input_groups:
@@ -80,8 +80,8 @@ def _true_sequential_walk(family: str, one_pass: bool, dtype: torch.dtype | None
 
 
 @pytest.mark.parametrize("family,dtype", [(family, None) for family in FAMILIES] + [("llama", torch.bfloat16)])
-def test_true_sequential_in_one_pass_equals_rerunning_the_layer_per_group(family, dtype):
-    """The one-pass walk steps through each family's layer along its pre-norm structure (Gemma's
+def test_true_sequential_stepped_walk_equals_rerunning_the_layer_per_group(family, dtype):
+    """The stepped walk goes through each family's layer along its pre-norm structure (Gemma's
     output norms included) and keeps o's and down's inputs in a file (bf16 ones too): the
     moments each group sees and the outputs it propagates are the plain walk's, bit for bit."""
     moments, hidden = _true_sequential_walk(family, True, dtype)
