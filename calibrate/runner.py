@@ -196,12 +196,12 @@ class LayerRunner:
         gate/up, down: `arch.input_groups`) are compressed in turn, each from the moments of
         its input as computed with the groups before it compressed: `compress({linear:
         LinearStatistics})` changes the group's weights (under no_grad). Re-running the layer up
-        to each group (the simple way) runs its linears 2.5 times over; here the layer goes in steps along
-        its pre-norm structure (`Architecture`'s docstring), and the two inputs that would cost
-        a re-run, the attention's output (o's input) and the MLP's product (down's), are kept
-        in a scratch file in `scratch` (a temporary folder by default; one file for the walk) between the step that
-        makes them and the one that reads them: disk traffic instead of holding 2.7x the hidden
-        states in memory, or re-running gate/up. The hidden states buffer holds the layer's
+        to each group (the simple way) runs its linears 2.5 times over; here the layer goes in
+        steps along its pre-norm structure (`Architecture`'s docstring), and the two inputs that
+        would cost a re-run, the attention's output (o's input) and the MLP's product (down's),
+        are kept between the step that makes them and the one that reads them in a scratch file
+        in `scratch` (a temporary folder by default; one file for the walk): disk traffic
+        instead of holding 2.7x the hidden states in memory, or re-running gate/up. The hidden states buffer holds the layer's
         input, then the residual after attention, then the layer's output."""
         qkv, o, gate_up, down = arch.input_groups
         attention_norm, mlp_norm = layer.get_submodule(arch.attention_norm), layer.get_submodule(arch.mlp_norm)
@@ -216,10 +216,9 @@ class LayerRunner:
             release_free_memory()
             compress(statistics)
 
-        def keep_and_stop(module, args):  # the input moments and a copy of a later step's input, then on to the next batch
+        def keep(module, args):  # the input's moments, and a copy for the step that reads it
             moments.add(args[0])
             kept.append(args[0])
-            raise _Stopped
 
         if self._kept is None:  # one file for the walk: each layer rewrites the pages of the one before
             self._kept = _BatchFile(scratch)
@@ -231,12 +230,8 @@ class LayerRunner:
         compress_group(qkv)
 
         moments = Moments(o_proj.in_features)
-        with _hooked(o_proj, keep_and_stop):
-            for hidden, args, kwargs in self._batch_calls(layer):  # attention with q/k/v compressed, up to o
-                try:
-                    layer(hidden, *args, **kwargs)
-                except _Stopped:
-                    pass
+        with _hooked(o_proj, keep):
+            self.forward(layer, propagate=False, until=o_proj)  # attention with q/k/v compressed, up to o
         compress_group(o)
 
         moments = Moments(layer.get_submodule(gate_up[0]).in_features)
@@ -247,7 +242,7 @@ class LayerRunner:
 
         kept.clear()
         moments = Moments(down_proj.in_features)
-        with _hooked(down_proj, keep_and_stop):
+        with _hooked(down_proj, keep), _hooked(down_proj, _stop):
             for hidden, _, _ in self._batch_calls(layer):  # gate/up compressed, up to down
                 try:
                     mlp(mlp_norm(hidden))
