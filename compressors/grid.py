@@ -56,9 +56,19 @@ class GridSpec:
 def fit_grid(w: torch.Tensor, spec: GridSpec, clip: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Min-max scale and zero for each row of `w` (one group): shapes [rows, 1]. `clip` < 1
     shrinks the range (clipping outliers to round the rest more finely)."""
+    return grid_for_range(*group_range(w), spec, clip)
+
+
+def group_range(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range a min-max grid covers for each group along `w`'s last dim (keepdim), widened
+    to include 0: kept apart from `grid_for_range` so a search over clip ratios takes it once."""
     w = w.float()
-    low = w.min(dim=1, keepdim=True).values.clamp(max=0) * clip
-    high = w.max(dim=1, keepdim=True).values.clamp(min=0) * clip
+    return w.amin(dim=-1, keepdim=True).clamp(max=0), w.amax(dim=-1, keepdim=True).clamp(min=0)
+
+
+def grid_for_range(low: torch.Tensor, high: torch.Tensor, spec: GridSpec, clip: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero of the grid over [low, high] * clip (shapes as `low`)."""
+    low, high = low * clip, high * clip
     if spec.symmetric:
         scale = torch.maximum(low.abs(), high) / ((spec.qmax - spec.qmin) / 2)
         scale = _fp16_scale(scale)
@@ -76,13 +86,13 @@ def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: GridSpec) -> torch.Tensor:
     """Integer codes (as float) of `w` on the grid; scale/zero broadcast against `w`."""
-    return torch.clamp(torch.round(w / scale) + zero, spec.qmin, spec.qmax)
+    return torch.round(w / scale).add_(zero).clamp_(spec.qmin, spec.qmax)  # one temporary, not three: also run per column
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """(q - zero) * scale in fp32: exact (a code of at most 8 bits times an fp16 scale fits
     fp32's mantissa), and what compressed-tensors' decompression gives an fp32 model."""
-    return (q - zero) * scale
+    return (q - zero).mul_(scale)
 
 
 @dataclass
@@ -93,6 +103,11 @@ class QuantizedLinear:
     scale: torch.Tensor
     zero: torch.Tensor
     spec: GridSpec
+
+    def split_rows(self, sizes: list[int]) -> list["QuantizedLinear"]:
+        """The linears whose weights were stacked row-wise, `sizes` rows each, apart again."""
+        parts = (t.split(sizes) for t in (self.codes, self.scale, self.zero))
+        return [QuantizedLinear(codes.contiguous(), scale.contiguous(), zero.contiguous(), self.spec) for codes, scale, zero in zip(*parts)]
 
     def dequantized(self) -> torch.Tensor:
         width = self.spec.group_width(self.codes.shape[1])

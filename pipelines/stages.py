@@ -514,7 +514,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     the stored statistics) and write a compressed-tensors artifact, or an lmpress-packed one for
     codebooks and asymmetric grids."""
     from compressors.awq import awq_layer
-    from compressors.gptq import gptq_quantize
+    from compressors.gptq import gptq_quantize_together
     from compressors.grid import round_to_nearest
     from compressors.lmpress_format import packed_weight, save_lmpress_packed
     from compressors.packed_int import read_spilled, save_pack_quantized, spill_to_disk
@@ -542,15 +542,17 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         if config.method == "rtn":
             results = {local: round_to_nearest(layer.get_submodule(local).weight.data, grid) for local, grid in layer_plan.items()}
         elif config.method == "gptq":
-            results = {}
+            results, together = {}, {}
             for local, grid in layer_plan.items():
                 weight, keep = layer.get_submodule(local).weight.data, sparse.get(f"{prefix}.{index}.{local}")
-                if keep is None:
-                    results[local] = gptq_quantize(
-                        weight, stats[local].second_moment, grid, config.damp, config.act_order, clip_search=config.clip_search,
-                    )
+                if keep is None:  # linears reading one input (one Hessian tensor) on one grid run as one sweep
+                    together.setdefault((id(stats[local].second_moment), grid), []).append(local)
                 else:  # GPTQ whose error feedback leaves the pruned weights at zero (SparseGPT with its mask fixed)
                     results[local] = sparsegpt_prune(weight, stats[local].second_moment, None, config.damp, grid=grid, keep=keep).quantized
+            for (_, grid), members in together.items():
+                weights = [layer.get_submodule(local).weight.data for local in members]
+                quantized = gptq_quantize_together(weights, stats[members[0]].second_moment, grid, config.damp, config.act_order, config.clip_search)
+                results.update(zip(members, quantized))
         elif config.method in CODEBOOK_METHODS:
             hessian = lambda local: stats[local].second_moment if config.method == "squeezellm-gptq" else None  # noqa: E731
             results = {

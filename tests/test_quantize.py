@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from compressors.gptq import gptq_quantize
+from compressors.gptq import gptq_quantize, gptq_quantize_together
 from compressors.grid import GridSpec, round_to_nearest
 from compressors.packed_int import unpack_int32
 from conftest import leftovers, run_cli
@@ -46,6 +46,20 @@ def test_clip_search_lowers_gptqs_hessian_weighted_error(seed):
     for bits, most in ((2, 0.8), (3, 0.95)):
         spec = GridSpec(bits, 64)
         assert loss(gptq_quantize(w, h, spec, act_order=True, clip_search=True)) < most * loss(gptq_quantize(w, h, spec, act_order=True))
+
+
+@pytest.mark.parametrize("spec,act_order,clip_search", [
+    (GridSpec(3, 32), True, True), (GridSpec(4, 64), False, False), (GridSpec(4, -1), False, False), (GridSpec(3, 64, False), True, False),
+])
+def test_linears_sharing_a_hessian_quantize_together_exactly_as_alone(spec, act_order, clip_search):
+    """q/k/v (or gate/up) stacked into one sweep: the codes, scales and zeros of each, bit for
+    bit, that its own sweep gives (GPTQ treats each row on its own given the Hessian)."""
+    (q, h), (k, _), (v, _) = _problem(0, 48), _problem(1, 16), _problem(2, 16)
+    for alone, together in zip([gptq_quantize(w, h, spec, 0.01, act_order, clip_search=clip_search) for w in (q, k, v)],
+                               gptq_quantize_together([q, k, v], h, spec, 0.01, act_order, clip_search)):
+        assert together.codes.shape == alone.codes.shape
+        for a, b in ((alone.codes, together.codes), (alone.scale, together.scale), (alone.zero, together.zero)):
+            assert torch.equal(a, b)
 
 
 def test_gptq_keeps_dead_inputs_at_zero_and_is_deterministic():
