@@ -142,7 +142,7 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     columns, so every group and unit; several row blocks, the last one partial), and no speed
     is claimed."""
     gpu = torch.cuda.is_available()
-    from compressors.kernels import KERNELS, self_check, serving_layout, weight_seconds
+    from compressors.kernels import KERNELS, serving_layout, weight_seconds
 
     folder = Path(folder)
     if out is not None:
@@ -163,8 +163,7 @@ def validate(folder: Path, out: Path | None = None) -> dict:
         if kernel is None:
             layers[name] = {"kernel": None, "note": f"no kernel serves {weight.kind} weights: torch runs them from a dense copy"}
             continue
-        require(self_check(kernel, device), f"kernel {kernel.name} failed its self-check on {device}; do not serve with it")
-        used.add(kernel)
+        used.add(kernel)  # no self_check here: it tries every decode path on small weights (6 s in the interpreter); this tries the artifact's
         shape = [weight.rows, weight.columns]
         weight = serving_layout(weight.to(device) if gpu else weight.first_rows(INTERPRETED_ROWS), device)
         entry = {
