@@ -38,6 +38,53 @@ def test_runner_reproduces_the_models_own_hidden_states(family):
         torch.testing.assert_close(got, expected[index + 1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_runner_attends_in_causal_chunks_as_sdpa_does(family):
+    """With sdpa, the runner's layer passes attend through causal_sdpa_in_chunks (on 100 tokens:
+    chunks of 64 and 36 queries, grouped KV heads), and their outputs equal the full model's;
+    Mistral's sliding-window mask goes to transformers' own sdpa. Afterwards the model is as it was."""
+    from calibrate.runner import CHUNKED_ATTENTION
+
+    model = tiny_model(family)
+    model.config._attn_implementation = "sdpa"
+    input_ids = torch.randint(0, 320, (3, 100), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model.base_model(input_ids=input_ids, output_hidden_states=True).hidden_states
+    runner = LayerRunner(model, input_ids, batch_size=2)
+    for index, layer in runner:
+        assert model.config._attn_implementation == CHUNKED_ATTENTION
+        runner.forward(layer)
+        if index < len(runner) - 1:
+            torch.testing.assert_close(torch.cat(runner.hidden), expected[index + 1], rtol=1e-5, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_causal_chunks_equal_sdpa_and_leave_the_rest_to_it(monkeypatch):
+    """150 causal tokens, grouped KV heads: three SDPA calls (64, 64 and 22 queries) whose joined
+    output equals one sdpa call's; given a mask, transformers' sdpa runs it in one call."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from calibrate.runner import causal_sdpa_in_chunks
+
+    sdpa, queries = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, *a, **k: queries.append(q.shape[2]) or sdpa(q, *a, **k))
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, heads, 150, 16, generator=generator) for heads in (6, 2, 2))
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=3, training=False)
+    expected, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)
+    queries.clear()
+    got, _ = causal_sdpa_in_chunks(module, query, key, value, None, scaling=0.25)
+    assert queries == [64, 64, 22]
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    mask = torch.ones(150, 150, dtype=torch.bool).tril()[None, None]
+    queries.clear()
+    masked, _ = causal_sdpa_in_chunks(module, query, key, value, mask, scaling=0.25)
+    assert queries == [150]
+    torch.testing.assert_close(masked, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_runner_propagates_the_changed_layer():
     """A stage that changes a layer's weights feeds the next layer the changed outputs."""
     model = tiny_model("llama")
