@@ -179,24 +179,21 @@ class LayerRunner:
     def __iter__(self) -> Iterator[tuple[int, nn.Module]]:
         try:
             with _chunked_causal_attention(self.model):  # the calls were recorded with the model's own (its masks are made for it)
-                yield from self._walk()
+                for index, layer in enumerate(self.layers):
+                    home = next(layer.parameters()).device
+                    layer.to(self.device)
+                    self._index, self._propagated = index, False
+                    yield index, layer
+                    if not self._propagated:
+                        self.forward(layer)
+                    layer.to(home)
+                    if self.on_layer_done is not None:
+                        self.on_layer_done(index)
+                    release_free_memory()
         finally:
             if self._kept is not None:
                 self._kept.close()
                 self._kept = None
-
-    def _walk(self) -> Iterator[tuple[int, nn.Module]]:
-        for index, layer in enumerate(self.layers):
-            home = next(layer.parameters()).device
-            layer.to(self.device)
-            self._index, self._propagated = index, False
-            yield index, layer
-            if not self._propagated:
-                self.forward(layer)
-            layer.to(home)
-            if self.on_layer_done is not None:
-                self.on_layer_done(index)
-            release_free_memory()
 
     def _batch_calls(self, layer: nn.Module) -> Iterator[tuple[torch.Tensor, tuple, dict]]:
         """The current layer's recorded call arguments for every batch, on the device and in the

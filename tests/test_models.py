@@ -51,11 +51,14 @@ def test_runner_attends_in_causal_chunks_as_sdpa_does(family):
     with torch.no_grad():
         expected = model.base_model(input_ids=input_ids, output_hidden_states=True).hidden_states
     runner = LayerRunner(model, input_ids, batch_size=2)
+    last = len(runner) - 1
     for index, layer in runner:
         assert model.config._attn_implementation == CHUNKED_ATTENTION
         runner.forward(layer)
-        if index < len(runner) - 1:
-            torch.testing.assert_close(torch.cat(runner.hidden), expected[index + 1], rtol=1e-5, atol=1e-5)
+        got = torch.cat(runner.hidden)
+        if index == last:  # the model's last entry is after the final norm
+            got = model.base_model.norm(got)
+        torch.testing.assert_close(got, expected[index + 1], rtol=1e-5, atol=1e-5)
     assert model.config._attn_implementation == "sdpa"
 
 
@@ -72,7 +75,7 @@ def test_causal_chunks_equal_sdpa_and_leave_the_rest_to_it(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda q, *a, **k: queries.append(q.shape[2]) or sdpa(q, *a, **k))
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(2, heads, 150, 16, generator=generator) for heads in (6, 2, 2))
-    module = SimpleNamespace(is_causal=True, num_key_value_groups=3, training=False)
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=3)
     expected, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)
     queries.clear()
     got, _ = causal_sdpa_in_chunks(module, query, key, value, None, scaling=0.25)
