@@ -209,6 +209,7 @@ class CalibrationData:
             f"{self.folder} is not an lmpress calibration artifact; run `lmpress calibrate`",
         )
         self.lineage = read_lineage(self.folder)
+        require(self.lineage is not None, f"{self.folder} has no lineage.json (it records the model calibrated); re-run `lmpress calibrate`")
 
     @property
     def input_ids(self) -> torch.Tensor:

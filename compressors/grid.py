@@ -27,11 +27,16 @@ class GridSpec:
     symmetric: bool = True
 
     def __post_init__(self):
-        require(self.bits in SUPPORTED_BITS, f"bits must be one of {', '.join(map(str, SUPPORTED_BITS))} (got {self.bits})")
+        whole = lambda value: isinstance(value, int) and not isinstance(value, bool)  # noqa: E731  (4.0 and True compare equal to ints)
         require(
-            self.group_size in SUPPORTED_GROUP_SIZES,
-            f"group size must be one of 32, 64, 128 or -1 for per-channel (got {self.group_size})",
+            whole(self.bits) and self.bits in SUPPORTED_BITS,
+            f"bits must be one of {', '.join(map(str, SUPPORTED_BITS))} (got {self.bits!r})",
         )
+        require(
+            whole(self.group_size) and self.group_size in SUPPORTED_GROUP_SIZES,
+            f"group size must be one of 32, 64, 128 or -1 for per-channel (got {self.group_size!r})",
+        )
+        require(isinstance(self.symmetric, bool), f"symmetric must be true or false (got {self.symmetric!r})")
 
     @property
     def qmin(self) -> int:

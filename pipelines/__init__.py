@@ -9,6 +9,11 @@ import os
 # instead, which slowed torch's small ops: the levels stage 173 s against 112 s). Set before
 # numpy loads it; a user's own setting wins.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# LMPRESS_QUIET hides lmpress's own bars; the libraries' tqdm bars (compressed-tensors'
+# "Decompressing model") too, else an error after a load comes with lines of bars before it.
+# tqdm reads its settings from the environment when it is imported.
+if os.environ.get("LMPRESS_QUIET"):
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
 import compressors  # noqa: E402, F401  (selects Triton's backend before anything else imports triton)
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import resource
 import shutil
 import time
@@ -34,38 +35,71 @@ _PACKAGES = ("calibrate", "compressors", "pipelines")
 def write_json(path: Path, data) -> None:
     """Stable JSON (sorted keys, so equal content gives equal bytes), written to a temporary
     sibling and renamed into place, so a reader never sees half a file."""
-    path = Path(path)
-    require_output_path(path, directory=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path).expanduser()
+    require_output_kind(path, directory=False)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with _writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def require_output_path(path: Path, directory: bool, inputs: tuple = ()) -> None:
-    """Fail before any work when `path` cannot become the output (a directory, or a file): it
-    exists as the other kind, a folder above it is a file, or writing it would replace one of
-    the local `inputs` (a model folder or calibration artifact the run reads) or a folder
-    holding one."""
+    """Fail before any work when `path` cannot become a stage's output (a directory, or a
+    file): it lies in lmpress's model cache, writing it would replace one of the local
+    `inputs` (a model folder or calibration artifact the run reads), a folder holding one or a
+    part of one, or `require_output_kind` refuses it."""
     path = Path(path).expanduser()
-    if directory:
-        require(not path.is_file(), f"output path {path} is a file; pass a directory path or remove the file")
-    else:
-        require(not path.is_dir(), f"output path {path} is a directory; pass a file path such as {path / 'report.json'}")
-    blocker = next((folder for folder in path.parents if folder.exists() and not folder.is_dir()), None)
-    require(blocker is None, f"output path {path} lies under {blocker}, which is a file; pass a path inside a folder")
     target = path.resolve()
+    from pipelines.models import model_cache
+
+    cache = model_cache().resolve()
+    require(target != cache and cache not in target.parents, f"output path {path} lies in lmpress's model cache ({cache}); write the result elsewhere")
     for given in inputs:
         if given is None or not Path(given).expanduser().exists():
-            continue  # hub ids and built-in names resolve to lmpress's cache, which no --out names by accident
+            continue  # hub ids and built-in names resolve to lmpress's model cache, refused above
         source = Path(given).expanduser().resolve()
         require(
-            target != source and target not in source.parents,
-            f"output path {path} would replace the input {given}; write the result to another folder",
+            target != source and target not in source.parents and source not in target.parents,
+            f"output path {path} would replace the input {given} or a part of it; write the result to another folder",
         )
+    require_output_kind(path, directory)
+
+
+def require_output_kind(path: Path, directory: bool) -> None:
+    """`path` can be written as a directory (or a file): it does not exist as the other kind, no
+    folder above it is a file, it is not the current folder or one above it (which cannot be
+    renamed into place), and what it would replace is an lmpress output: an existing folder is
+    empty or holds lineage.json or manifest.json, an existing file is a .json report."""
+    path = Path(path).expanduser()
+    target, here = path.resolve(), Path.cwd().resolve()
+    require(target != here and target not in here.parents, f"output path '{path}' is the current folder or one above it; pass a new path")
+    if directory:
+        require(not path.is_file(), f"output path {path} is a file; pass a directory path or remove the file")
+        require(
+            not path.is_dir() or _replaceable(path),
+            f"output path {path} is a folder of other files than an lmpress output, which would be lost; "
+            "pass a new folder path (or an earlier output of lmpress to replace)",
+        )
+    else:
+        require(not path.is_dir(), f"output path {path} is a directory; pass a file path such as {path / 'report.json'}")
+        require(
+            not path.exists() or path.suffix == ".json",
+            f"output path {path} is a file that is not a JSON report, which would be lost; pass a new path such as report.json",
+        )
+    blocker = next((folder for folder in path.parents if folder.exists() and not folder.is_dir()), None)
+    require(blocker is None, f"output path {path} lies under {blocker}, which is a file; pass a path inside a folder")
+
+
+OUTPUT_MARKERS = (LINEAGE_FILE, "manifest.json")  # every folder lmpress writes holds one of them
+
+
+def _replaceable(folder: Path) -> bool:
+    """An existing output folder may be replaced when it is empty or an lmpress output."""
+    return not any(folder.iterdir()) or any((folder / marker).is_file() for marker in OUTPUT_MARKERS)
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -92,40 +126,69 @@ def _pid_alive(pid: int) -> bool:
 
 def _clean_leftovers(out: Path) -> None:
     """Remove temporaries of runs that died (SIGKILL, power loss); restore a good output that
-    was moved aside when the swap was cut between its two renames."""
-    for leftover in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = leftover.name.rpartition("-")
-        if not pid.isdigit() or _pid_alive(int(pid)):
+    was moved aside when the swap was cut between its two renames. Only names this module
+    makes (`.NAME.partial-PID`, `.NAME.old-PID`) are touched, never a user's own siblings."""
+    made_here = re.compile(rf"\.{re.escape(out.name)}\.(partial|old)-(\d+)")
+    for leftover in out.parent.iterdir():
+        match = made_here.fullmatch(leftover.name)
+        if match is None or _pid_alive(int(match[2])):
             continue
-        if kind.endswith(".old") and not out.exists():
+        if match[1] == "old" and not out.exists():
             os.rename(leftover, out)
         else:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """A filesystem refusal (no permission, read-only or full disk, a busy folder) while writing
+    `out` becomes one line that says so, not a traceback."""
+    try:
+        yield
+    except OSError as error:
+        raise LmpressError(f"cannot write {out}: {error.strerror or error}; pass a path in a folder you can write to") from error
+
+
+@contextmanager
 def atomic_directory(out: Path) -> Iterator[Path]:
-    """Yield a temporary directory that becomes `out` only if the block completes."""
-    out = Path(out)
-    require_output_path(out, directory=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_leftovers(out)
+    """Yield a temporary directory that becomes `out` only if the block completes. Folders made
+    above `out` for it are removed again when it does not."""
+    out = Path(out).expanduser()
+    require_output_kind(out, directory=True)
+    made = [folder for folder in (out.parent, *out.parent.parents) if not folder.exists()]
     pid = os.getpid()
     tmp = out.parent / f".{out.name}.partial-{pid}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        with _writing(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _clean_leftovers(out)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
         yield tmp
+        with _writing(out):
+            _swap_in(tmp, out, out.parent / f".{out.name}.old-{pid}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:  # innermost first; stops at one that is not empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{pid}"
-        os.rename(out, old)
+
+
+def _swap_in(tmp: Path, out: Path, old: Path) -> None:
+    """Rename `tmp` to `out`, moving a good `out` aside first and back should the second rename fail."""
+    if not out.exists():
         os.rename(tmp, out)
-        shutil.rmtree(old)
-    else:
+        return
+    os.rename(out, old)
+    try:
         os.rename(tmp, out)
+    except OSError:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old)
 
 
 # --------------------------------------------------------------------------- lineage
@@ -190,7 +253,11 @@ def read_lineage(folder: Path) -> dict | None:
     if not path.is_file():
         return None
     lineage = read_json(path, "re-run the stage that made this artifact")
-    require(lineage.get("format") == LINEAGE_FORMAT, f"{path} is not an lmpress lineage manifest; re-run the stage")
+    require(
+        isinstance(lineage, dict) and lineage.get("format") == LINEAGE_FORMAT
+        and isinstance(lineage.get("chain"), list) and bool(lineage["chain"]) and all(isinstance(record, dict) for record in lineage["chain"]),
+        f"{path} is not an lmpress lineage manifest (a format and a chain of stage records); re-run the stage that made this artifact",
+    )
     return lineage
 
 

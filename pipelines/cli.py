@@ -512,7 +512,8 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         code = interrupted
     if code == interrupted:
-        sys.stderr.write("interrupted: no partial artifact was left; run the command again to restart\n")
+        writes = sys.argv[1:2] != ["generate"]  # the one command that writes nothing
+        sys.stderr.write("interrupted: no partial artifact was left; run the command again to restart\n" if writes else "interrupted\n")
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -26,6 +26,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("LMPRESS_CACHE", Path.home() / ".cache" / "lmpress")).expanduser()
 
 
+def model_cache() -> Path:
+    """Where built-in models are converted to, once (the folder `resolve_model` gives for them)."""
+    return cache_root() / "models"
+
+
 # --------------------------------------------------------------------------- architectures
 
 
@@ -160,7 +165,7 @@ def resolve_model(spec: str) -> Path:
     """A local folder holding config.json and safetensors weights for `spec`."""
     require(bool(spec and spec.strip()), "no model given; pass a folder, a hub id or 'smollm2-135m'")
     if spec in BUILTIN_MODELS:
-        folder = cache_root() / "models" / spec
+        folder = model_cache() / spec
         if not (folder / "config.json").is_file():
             _convert_builtin(spec, folder)
         return folder
@@ -218,7 +223,14 @@ def check_weight_files(folder: Path) -> None:
 
 def _safetensors_header(file: Path) -> dict:
     with open(file, "rb") as handle:
-        length = int.from_bytes(handle.read(8), "little")
+        start = handle.read(8)
+        require(
+            not start.startswith(b"version "),
+            f"weights file {file} is a Git LFS pointer, not the weights; fetch them (git lfs pull) or re-download the model",
+        )
+        length = int.from_bytes(start, "little")
+        if length > file.stat().st_size - 8:  # an HTML error page or a damaged start: do not try to read exabytes
+            raise ValueError(f"a header of {length} bytes in a {file.stat().st_size}-byte file")
         header = json.loads(handle.read(length))
     header["__len__"] = length
     return header
@@ -254,13 +266,39 @@ def _weights_hash(files: tuple[tuple[Path, int, int], ...]) -> str:
     return digest.hexdigest()
 
 
+def config_json(folder: Path) -> dict:
+    """The folder's config.json as a dict, checked to be a JSON object whose
+    quantization_config, if any, is one too (a hand-edited file fails here, not deep in a load)."""
+    from pipelines.artifact import read_json
+
+    config = read_json(Path(folder) / "config.json", "pass a Hugging Face model folder")
+    require(isinstance(config, dict), f"{folder}/config.json is not a JSON object; restore the model's own config.json")
+    require(
+        isinstance(config.get("quantization_config") or {}, dict),
+        f"{folder}/config.json has a quantization_config that is not an object; restore the one the quantizing tool wrote",
+    )
+    return config
+
+
+def is_quantized(folder: Path) -> bool:
+    """Whether the folder's weights are stored quantized (compressed-tensors config groups,
+    bitsandbytes, or lmpress-packed modules below 16 bits), not merely sparse."""
+    settings = config_json(folder).get("quantization_config") or {}
+    modules = settings.get("modules") or {}
+    return bool(
+        settings.get("config_groups") or settings.get("quant_method") == "bitsandbytes"
+        or any(isinstance(entry, dict) and entry.get("bits", 16) < 16 for entry in modules.values())
+    )
+
+
 def read_config(folder: Path):
     """The folder's transformers config, whatever its architecture."""
     from transformers import AutoConfig
 
+    config_json(folder)
     try:
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, json.JSONDecodeError) as error:
         raise LmpressError(f"{folder}/config.json cannot be read as a transformers config ({error})") from error
 
 

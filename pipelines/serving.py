@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from pipelines.artifact import file_sha256, read_json, require_output_path, write_json
+from pipelines.artifact import file_sha256, require_output_path, write_json
 from pipelines.errors import require
-from pipelines.models import LoadedModel, load_model, weight_files
+from pipelines.models import LoadedModel, check_weight_files, config_json, load_model, weight_files
 
 VALIDATION_FILE = "validation.json"
 BATCHES = (1, 16, 64)
@@ -37,17 +37,30 @@ def packed_weights(folder: Path) -> dict:
 
     from compressors import lmpress_format
     from compressors.packed_int import FORMAT, PackedWeight
+    from pipelines.stages import COMPRESSED_FOLDER
 
     folder = Path(folder)
-    config = read_json(folder / "config.json", "pass a model folder")
+    config = config_json(folder)
     settings = config.get("quantization_config") or {}
     handles = {}
     for file in weight_files(folder):
         handle = safe_open(file, framework="pt")
         handles.update({key: handle for key in handle.keys()})
-    tensor = lambda key: handles[key].get_tensor(key)  # noqa: E731
+
+    def tensor(key: str) -> torch.Tensor:
+        require(key in handles, f"{folder} has no tensor {key}; the artifact is damaged: re-create it")
+        return handles[key].get_tensor(key)
+
     if lmpress_format.is_lmpress_packed(config):
         return lmpress_format.read_packed_weights(folder, config, tensor)
+    require(
+        settings.get("quant_method") != "bitsandbytes",
+        f"{folder} is a bitsandbytes model: bitsandbytes' own kernels serve it, lmpress has none of its own to validate",
+    )
+    require(
+        not (folder / COMPRESSED_FOLDER / "config.json").is_file(),
+        f"{folder} is a pruning artifact; validate its served form, {folder / COMPRESSED_FOLDER}",
+    )
     require(
         settings.get("quant_method") == "compressed-tensors" and settings.get("format") == FORMAT,
         f"{folder} is not a {FORMAT} compressed-tensors or {lmpress_format.FORMAT} artifact; quantize it with `lmpress quantize`",
@@ -144,10 +157,16 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     gpu = torch.cuda.is_available()
     from compressors.kernels import KERNELS, serving_layout, weight_seconds
 
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
     if out is not None:
         require_output_path(out, directory=False)
+        report = Path(out).expanduser().resolve()
+        require(
+            report == (folder / VALIDATION_FILE).resolve() or folder.resolve() not in report.parents,
+            f"--out {out} would overwrite a file of the artifact; leave --out out (the report goes to {folder / VALIDATION_FILE}) or write it outside",
+        )
     require(folder.is_dir(), f"{folder} is not a folder; pass a quantized or pruned artifact such as artifacts/quantized")
+    check_weight_files(folder)
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.float16 if gpu else torch.float32
     weights = packed_weights(folder)
@@ -195,7 +214,7 @@ def validate(folder: Path, out: Path | None = None) -> dict:
         "layers": layers,
     }
     report["passed"] = not validation_failures(report)
-    target = Path(out) if out is not None else folder / VALIDATION_FILE
+    target = Path(out).expanduser() if out is not None else folder / VALIDATION_FILE
     write_json(target, report)
     return report
 
@@ -282,6 +301,12 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded = load_for_serving(spec, device)
     inputs = loaded.tokenizer(prompt, return_tensors="pt").to(device)
+    context, length = getattr(loaded.config, "max_position_embeddings", None), inputs["input_ids"].shape[1]
+    require(
+        context is None or length + max_new_tokens <= context,
+        f"the prompt's {length} tokens and --max-new-tokens {max_new_tokens} exceed the model's context of {context} tokens; "
+        f"pass --max-new-tokens {max(context - length, 0)} or less" + (" and a shorter prompt" if length >= context else ""),
+    )
     if draft is None:
         output = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     else:

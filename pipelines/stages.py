@@ -30,7 +30,7 @@ from pipelines.artifact import (
 from pipelines.errors import LmpressError, require
 from pipelines.evaluation import LMHead, score_windows, size_metrics
 from pipelines.models import (
-    architecture_of, decoder_layers, head_dim_of, layer_linears, load_config, load_model, map_weights, release_weights, resolve_model,
+    architecture_of, decoder_layers, head_dim_of, is_quantized, layer_linears, load_config, load_model, map_weights, release_weights, resolve_model,
 )
 from pipelines.progress import progress_bar
 
@@ -415,9 +415,12 @@ def load_overrides(path: str) -> dict:
 
     if not path:
         return {}
-    require(Path(path).is_file(), f"overrides file {path} does not exist; pass a YAML file of {{regex: {{bits: 3}}}}")
+    require(Path(path).exists(), f"overrides file {path} does not exist; pass a YAML file of {{regex: {{bits: 3}}}}")
+    require(Path(path).is_file(), f"overrides {path} is a folder; pass a YAML file of {{regex: {{bits: 3}}}}, such as a search's plan.yaml")
     try:
-        overrides = yaml.safe_load(Path(path).read_text()) or {}
+        overrides = yaml.load(Path(path).read_text(), Loader=_unique_key_loader()) or {}
+    except UnicodeDecodeError:
+        raise LmpressError(f"{path} is not a text file; pass a YAML file of {{regex: {{bits: 3}}}}") from None
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         raise LmpressError(
@@ -426,6 +429,22 @@ def load_overrides(path: str) -> dict:
         ) from None
     require(isinstance(overrides, dict), f"{path} must map linear-name regexes to settings")
     return overrides
+
+
+def _unique_key_loader():
+    """yaml's safe loader, refusing a key given twice in one mapping (by default the last
+    silently wins: a plan with a repeated regex would not do what it says)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            repeated = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+            if repeated is not None:
+                raise yaml.constructor.ConstructorError(None, None, f"'{repeated}' is given twice", node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
 
 
 def compiled_regex(pattern: str, option: str):
@@ -440,23 +459,27 @@ def compiled_regex(pattern: str, option: str):
 def planned_linears(model, skip: str, overrides: dict, default):
     """(full name, module, setting) for every decoder linear not matched by a `skip` regex
     (comma-separated, searched); the setting is the first override whose regex matches the
-    whole name, else `default`. An override that matches no linear at all (a typo, a plan made
-    for another model) is an error once the walk is done, not a silent no-op."""
+    whole name, else `default`. A skip or override regex that matches no linear at all (a
+    typo, a plan made for another model) is an error once the walk is done, not a silent no-op."""
     skips = [compiled_regex(pattern.strip(), "--skip") for pattern in skip.split(",") if pattern.strip()]
     regexes = [(compiled_regex(str(regex), "override"), value) for regex, value in overrides.items()]
     prefix = architecture_of(model.config).layers
     unmatched = {regex.pattern for regex, _ in regexes}
+    unskipped = {pattern.pattern for pattern in skips}
     for index, layer in enumerate(decoder_layers(model)):
         for local, module in layer_linears(model, layer).items():
             name = f"{prefix}.{index}.{local}"
             unmatched -= {regex.pattern for regex, _ in regexes if regex.fullmatch(name)}
+            unskipped -= {pattern.pattern for pattern in skips if pattern.search(name)}
             if not any(pattern.search(name) for pattern in skips):
                 yield name, module, next((value for regex, value in regexes if regex.fullmatch(name)), default)
-    if unmatched:
-        raise LmpressError(
-            f"override '{min(unmatched)}' matches no linear of this model (names look like {prefix}.0.mlp.down_proj and must "
-            "match whole); fix the regex, or use a plan made for this model"
-        )
+    example = f"names look like {prefix}.0.mlp.down_proj"
+    require(not unskipped, f"--skip '{min(unskipped, default='')}' matches no linear of this model ({example}); fix the regex")
+    require(
+        not unmatched,
+        f"override '{min(unmatched, default='')}' matches no linear of this model ({example} and must match whole); "
+        "fix the regex, or use a plan made for this model",
+    )
 
 
 def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[str, "GridSpec"]:
@@ -523,6 +546,10 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from pipelines.serving import bundle_kernels, validate
 
     config.validate()
+    require(
+        not is_quantized(resolve_model(model)),
+        f"{model} is quantized already; quantize the model it was made from (the base, or a pruned or merged artifact)",
+    )
     run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("quantize", {f"--method {config.method}": config.method in CALIBRATED_METHODS}))
     overrides = load_overrides(config.overrides)
     plan = quantization_plan(loaded.model, config, overrides)

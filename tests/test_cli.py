@@ -176,7 +176,7 @@ def test_evaluate_generate_and_validate_refuse_bad_paths_and_values(tmp_path):
     model_copy = tmp_path / "not-a-reference"  # a folder that is not a reference cache is never replaced by one
     model_copy.mkdir()
     (model_copy / "config.json").write_text("{}")
-    assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", model_copy), "is not a reference cache (no manifest.json) and is not empty")
+    assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", model_copy), "is a folder of other files than an lmpress output")
     assert (model_copy / "config.json").read_text() == "{}"
     (model_copy / "manifest.json").write_text('{"format": "lmpress-calibration/1"}')
     assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", model_copy), "is not an lmpress reference cache")
@@ -186,7 +186,41 @@ def test_evaluate_generate_and_validate_refuse_bad_paths_and_values(tmp_path):
     assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", tmp_path / "ref", "--windows", "2", "--seq-len", "100000"),
                       "1 windows of 100000, fewer than the 2 needed; pass a smaller --windows or --seq-len, or more text")
     assert_user_error(run_cli("validate", REAL_MODEL, "--out", tmp_path), f"output path {tmp_path} is a directory")
+    assert_user_error(run_cli("generate", REAL_MODEL, "Hi", "--max-new-tokens", "100000"),
+                      "the prompt's 1 tokens and --max-new-tokens 100000 exceed the model's context of 8192 tokens; pass --max-new-tokens 8191 or less")
     assert list(tmp_path.glob(".*partial*")) == []
+
+
+def test_damaged_model_files_are_one_line_and_reports_never_overwrite_them(tmp_path):
+    """Weights that are a Git LFS pointer, an HTML page or cut short, and a config.json that is
+    not an object, fail before loading; `validate --out` never overwrites the artifact's files."""
+    from pipelines.models import resolve_model
+
+    base = resolve_model(REAL_MODEL)
+    model = tmp_path / "model"
+    model.mkdir()
+    for file in base.iterdir():
+        (model / file.name).symlink_to(file)
+    weights = model / "model.safetensors"
+    weights.unlink()
+    for content, message in [
+        (b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n", "is a Git LFS pointer, not the weights"),
+        (b"<!DOCTYPE html><html>Not found</html>", "is corrupt"),
+        ((base / "model.safetensors").open("rb").read(1 << 20), "is truncated"),
+    ]:
+        weights.write_bytes(content)
+        for command in (["generate", model, "Hi"], ["validate", model, "--out", tmp_path / "v.json"]):
+            assert_user_error(run_cli(*command), message)
+    weights.unlink()
+    weights.symlink_to(base / "model.safetensors")
+    (model / "config.json").unlink()
+    (model / "config.json").write_text("[]")
+    assert_user_error(run_cli("validate", model, "--out", tmp_path / "v.json"), "config.json is not a JSON object")
+    weights.unlink()
+    weights.write_bytes(b"keep")
+    assert_user_error(run_cli("validate", model, "--out", weights), "is a file that is not a JSON report")
+    assert_user_error(run_cli("validate", model, "--out", model / "lineage.json"), "would overwrite a file of the artifact")
+    assert weights.read_bytes() == b"keep" and not (model / "lineage.json").exists()
 
 
 def test_evaluate_base_then_rescore_against_the_cached_reference(tmp_path):

@@ -175,6 +175,24 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     plan.write_text("model.layers.0.mlp.down_proj: [1, 2\n")
     assert f"{plan} is not valid YAML (line 2)" in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
     assert "--skip '(' is not a valid regular expression" in error("--method", "rtn", "--group-size", "32", "--skip", "(")
+    assert "--skip 'lm_hed' matches no linear of this model" in error("--method", "rtn", "--group-size", "32", "--skip", "down_proj,lm_hed")
+    for setting, message in [("bits: 4.0", "bits must be one of 2, 3, 4, 8 (got 4.0)"), ("group_size: 32.0", "(got 32.0)"),
+                             ('symmetric: "false"', "symmetric must be true or false (got 'false')")]:
+        plan.write_text(f"model.layers.0.mlp.down_proj: {{{setting}}}\n")
+        assert message in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
+    plan.write_text("model.layers.0.mlp.down_proj: {bits: 3}\nmodel.layers.0.mlp.down_proj: {bits: 8}\n")
+    assert "'model.layers.0.mlp.down_proj' is given twice" in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
+    plan.write_bytes(bytes(range(256)))
+    assert "is not a text file" in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
+    assert f"overrides {tmp_path} is a folder" in error("--method", "rtn", "--group-size", "32", "--overrides", tmp_path)
+
+
+def test_a_quantized_model_is_not_quantized_again(tmp_path, tiny_folder):
+    first = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--group-size", "32", "--out", tmp_path / "q")
+    assert first.returncode == 0, first.stderr
+    again = run_cli("quantize", "--model", tmp_path / "q", "--method", "rtn", "--group-size", "32", "--out", tmp_path / "qq")
+    assert again.returncode == 2 and "Traceback" not in again.stderr and "is quantized already" in again.stderr, again.stderr
+    assert not (tmp_path / "qq").exists()
 
 
 def test_quantize_refuses_outputs_that_would_lose_an_input(tmp_path, tiny_folder):
@@ -187,10 +205,15 @@ def test_quantize_refuses_outputs_that_would_lose_an_input(tmp_path, tiny_folder
     blocker.write_text("precious")
     for out, message in [
         (model, "would replace the input"), (tmp_path, "would replace the input"), (blocker / "q", "which is a file"),
+        (model / "sub", "would replace the input"), (blocker.parent / "mine", "is a folder of other files than an lmpress output"),
     ]:
+        if out.name == "mine":
+            out.mkdir()
+            (out / "notes.txt").write_text("precious")
         result = run_cli("quantize", "--model", model, "--method", "rtn", "--group-size", "32", "--out", out)
         assert result.returncode == 2 and "Traceback" not in result.stderr and message in result.stderr, result.stderr
     assert {path.name: path.read_bytes() for path in model.iterdir()} == before and blocker.read_text() == "precious"
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"
 
 
 def test_calibration_from_another_model_is_refused(tmp_path, tiny_folder):
