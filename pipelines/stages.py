@@ -4,6 +4,7 @@ lineage manifest."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -448,8 +449,6 @@ def _unique_key_loader():
 
 
 def compiled_regex(pattern: str, option: str):
-    import re
-
     try:
         return re.compile(pattern)
     except re.error as error:
@@ -474,6 +473,8 @@ def planned_linears(model, skip: str, overrides: dict, default):
             if not any(pattern.search(name) for pattern in skips):
                 yield name, module, next((value for regex, value in regexes if regex.fullmatch(name)), default)
     example = f"names look like {prefix}.0.mlp.down_proj"
+    others = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]  # lm_head: never compressed, so skipped already
+    unskipped = {pattern for pattern in unskipped if not any(re.search(pattern, name) for name in others)}
     require(not unskipped, f"--skip '{min(unskipped, default='')}' matches no linear of this model ({example}); fix the regex")
     require(
         not unmatched,

@@ -175,7 +175,7 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     plan.write_text("model.layers.0.mlp.down_proj: [1, 2\n")
     assert f"{plan} is not valid YAML (line 2)" in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
     assert "--skip '(' is not a valid regular expression" in error("--method", "rtn", "--group-size", "32", "--skip", "(")
-    assert "--skip 'lm_hed' matches no linear of this model" in error("--method", "rtn", "--group-size", "32", "--skip", "down_proj,lm_hed")
+    assert "--skip 'lm_hed' matches no linear of this model" in error("--method", "rtn", "--group-size", "32", "--skip", "lm_head,down_proj,lm_hed")
     for setting, message in [("bits: 4.0", "bits must be one of 2, 3, 4, 8 (got 4.0)"), ("group_size: 32.0", "(got 32.0)"),
                              ('symmetric: "false"', "symmetric must be true or false (got 'false')")]:
         plan.write_text(f"model.layers.0.mlp.down_proj: {{{setting}}}\n")
