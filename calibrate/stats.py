@@ -209,7 +209,6 @@ class CalibrationData:
             f"{self.folder} is not an lmpress calibration artifact; run `lmpress calibrate`",
         )
         self.lineage = read_lineage(self.folder)
-        require(self.lineage is not None, f"{self.folder} has no lineage.json (it records the model calibrated); re-run `lmpress calibrate`")
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -224,7 +223,8 @@ class CalibrationData:
         return ids[torch.linspace(0, ids.shape[0] - 1, count).round().long()]
 
     def check_model(self, base_weights_sha256: str) -> None:
-        calibrated = self.lineage["chain"][0]["weights_sha256"]
+        require(self.lineage is not None, f"{self.folder} has no lineage.json (it records the model calibrated); re-run `lmpress calibrate`")
+        calibrated = self.lineage["chain"][0].get("weights_sha256")
         require(
             calibrated == base_weights_sha256,
             f"calibration {self.folder} was made for another base model; re-run `lmpress calibrate` for this model",

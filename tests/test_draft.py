@@ -195,6 +195,7 @@ def test_draft_bad_input_fails_cleanly(tmp_path, tiny_target, real_model_folder)
     with pytest.raises(LmpressError, match="needs --calibration"):
         draft(str(folder), None, out, DraftConfig(layers=2))
     out.mkdir()
+    (out / "lineage.json").write_text("{}")  # an earlier lmpress output, which a failing run must leave as it is
     (out / "keep.txt").write_text("a good earlier output")
     result = run_cli("draft", "--target", folder, "--calibration", calibration, "--layers", "9", "--out", out)
     assert result.returncode == 2 and "not fewer than the target's 4 layers" in result.stderr and "Traceback" not in result.stderr
