@@ -464,17 +464,15 @@ def planned_linears(model, skip: str, overrides: dict, default):
     regexes = [(compiled_regex(str(regex), "override"), value) for regex, value in overrides.items()]
     prefix = architecture_of(model.config).layers
     unmatched = {regex.pattern for regex, _ in regexes}
-    unskipped = {pattern.pattern for pattern in skips}
     for index, layer in enumerate(decoder_layers(model)):
         for local, module in layer_linears(model, layer).items():
             name = f"{prefix}.{index}.{local}"
             unmatched -= {regex.pattern for regex, _ in regexes if regex.fullmatch(name)}
-            unskipped -= {pattern.pattern for pattern in skips if pattern.search(name)}
             if not any(pattern.search(name) for pattern in skips):
                 yield name, module, next((value for regex, value in regexes if regex.fullmatch(name)), default)
     example = f"names look like {prefix}.0.mlp.down_proj"
-    others = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]  # lm_head: never compressed, so skipped already
-    unskipped = {pattern for pattern in unskipped if not any(re.search(pattern, name) for name in others)}
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]  # lm_head too: never compressed, skipping it is no mistake
+    unskipped = {pattern.pattern for pattern in skips if not any(pattern.search(name) for name in linears)}
     require(not unskipped, f"--skip '{min(unskipped, default='')}' matches no linear of this model ({example}); fix the regex")
     require(
         not unmatched,
