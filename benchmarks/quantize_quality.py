@@ -39,7 +39,8 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
     parser.add_argument(
         "--runs", default=DEFAULT_RUNS,
-        help="method[:bits:group_size[:stored][:noclip][:bf16][:whole]], comma-separated; ':stored' uses the stored statistics "
+        help="method[:bits[:group_size]][:stored][:noclip][:bf16][:whole], comma-separated (codebooks and nf4 / int8 take no "
+        "group size: squeezellm-gptq:3:stored); ':stored' uses the stored statistics "
         "(no forward passes), ':noclip' turns GPTQ's clip search off (min-max groups, as the results before it were measured), "
         "':bf16' runs the sequential passes in bfloat16 (the pipeline's setting), ':whole' collects each layer's statistics for all "
         "its linears at once (--true-sequential false; the default until 2026-11-25, when true-sequential went to one pass; "
@@ -53,10 +54,10 @@ def main() -> None:
     work = scratch_directory()
     for spec in args.runs.split(","):
         method, *rest = spec.split(":")
-        config = QuantizeConfig(method=method, sequential="stored" not in rest, clip_search=False if "noclip" in rest else None,
+        numbers = [int(part) for part in rest if part.lstrip("-").isdigit()]  # bits, then group size; unset: the method's
+        config = QuantizeConfig(method=method, bits=(numbers + [None])[0], group_size=(numbers[1:] + [None])[0],
+                                sequential="stored" not in rest, clip_search=False if "noclip" in rest else None,
                                 forward_dtype="bfloat16" if "bf16" in rest else "float32", true_sequential=False if "whole" in rest else None)
-        if len(rest) >= 2:
-            config.bits, config.group_size = int(rest[0]), int(rest[1])
         start = time.perf_counter()
         artifact = quantize(args.model, args.calibration, work / spec.replace(":", "_"), config)
         seconds = time.perf_counter() - start

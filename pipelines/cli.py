@@ -107,11 +107,17 @@ def quantize(
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the quantized model; replaced only when complete."),
     model: str = typer.Option("smollm2-135m", help=MODEL_HELP),
     calibration: Optional[Path] = typer.Option(None, help="Calibration artifact from `lmpress calibrate` (needed by gptq, awq, squeezellm)."),
-    method: str = typer.Option("gptq", help="rtn (round to nearest, the baseline), gptq (Hessian-based error compensation), awq (activation-aware scales and clipping), squeezellm (per-row k-means codebooks, 2-4 bits; group size does not apply), squeezellm-gptq (the same codebooks, indices chosen by GPTQ's error feedback), or bitsandbytes' nf4 / int8 (their own formats; bits and group size do not apply)."),
-    bits: int = typer.Option(4, help="Bits per weight: 2, 3, 4 or 8."),
-    group_size: int = typer.Option(64, "--group-size", help="Input columns sharing one scale: 32, 64, 128, or -1 for per-channel."),
-    symmetric: Switch = typer.Option(Switch.true, help="Symmetric grid (zero point 0)."),
-    act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
+    method: str = typer.Option("gptq", help="rtn (round to nearest, the baseline), gptq (Hessian-based error compensation), awq (activation-aware scales and clipping), squeezellm (per-row k-means codebooks, 2-4 bits, no groups), squeezellm-gptq (the same codebooks, indices chosen by GPTQ's error feedback), or bitsandbytes' nf4 / int8 (their own fixed formats)."),
+    bits: Optional[int] = typer.Option(None, show_default="4; int8: 8", help="Bits per weight: 2, 3, 4 or 8 (codebooks: 2-4; nf4 and int8 fix their own)."),
+    group_size: Optional[int] = typer.Option(
+        None, "--group-size", show_default="64; int8 and codebooks: -1",
+        help="Input columns sharing one scale: 32, 64, 128, or -1 for per-channel (nf4 fixes 64; int8 and the per-row codebooks, -1).",
+    ),
+    symmetric: Switch = typer.Option(Switch.true, help="Symmetric grid (zero point 0); rtn, gptq and awq can be asymmetric."),
+    act_order: Optional[Switch] = typer.Option(
+        None, "--act-order", show_default="true for gptq and squeezellm-gptq",
+        help="GPTQ's error feedback (gptq, squeezellm-gptq): quantize columns by decreasing Hessian diagonal.",
+    ),
     damp: float = typer.Option(0.01, help="GPTQ: dampening added to the Hessian diagonal, as a fraction of its mean."),
     clip_search: Optional[Switch] = clip_search_option("gptq"),
     sequential: Switch = typer.Option(
@@ -134,7 +140,7 @@ def quantize(
     from pipelines.stages import QuantizeConfig, quantize as run
 
     config = QuantizeConfig(
-        method=method, bits=bits, group_size=group_size, symmetric=bool(symmetric), act_order=bool(act_order), damp=damp,
+        method=method, bits=bits, group_size=group_size, symmetric=bool(symmetric), act_order=optional_switch(act_order), damp=damp,
         clip_search=optional_switch(clip_search), sequential=bool(sequential), true_sequential=optional_switch(true_sequential), forward_dtype=forward_dtype,
         skip=skip, overrides=overrides, batch_size=batch_size,
     )

@@ -478,7 +478,8 @@ def assembly_command(units: list[Unit], genome: list[int], levels: LevelsConfig)
     first = f"lmpress drop-layers --layers {','.join(dropped)} --out DROPPED, then on DROPPED: " if dropped else ""
     gptq = f"--act-order {str(levels.act_order).lower()} --clip-search {str(bool(levels.clip_search)).lower()}"  # as the database's levels
     if not _is_prune_plan(units):
-        return first + f"lmpress quantize --method {levels.method} {gptq} --sequential false --overrides plan.yaml"
+        method = f"--method {levels.method}" + (f" {gptq}" if levels.method == "gptq" else "")  # rtn takes neither option
+        return first + f"lmpress quantize {method} --sequential false --overrides plan.yaml"
     if any(u.levels[0].startswith("bits") for u in units if not u.is_block):
         return first + f"lmpress prune --method sparsegpt --bits 4 {gptq} --sequential false --overrides plan.yaml"
     return first + "lmpress prune --method wanda --sequential false --overrides plan.yaml"

@@ -345,6 +345,15 @@ CALIBRATED_METHODS = ("gptq", "awq", *CODEBOOK_METHODS)
 PER_LINEAR_METHODS = ("gptq", *CODEBOOK_METHODS)  # each linear from its own input statistics (AWQ scales a layer's linears together)
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
+ACT_ORDER_METHODS = ("gptq", "squeezellm-gptq")  # the methods whose GPTQ error feedback takes an act-order
+# The settings a method's format fixes, and that format in words (for the refusal of another value):
+# a value the method would ignore is refused, so that the lineage records only what ran.
+FIXED_SETTINGS = {
+    "nf4": ({"bits": 4, "group_size": 64, "symmetric": True}, "bitsandbytes' NF4, 4 bits in blocks of 64 with absmax scales"),
+    "int8": ({"bits": 8, "group_size": -1, "symmetric": True}, "bitsandbytes' LLM.int8, 8 bits with an absmax scale per output row"),
+    **dict.fromkeys(CODEBOOK_METHODS, ({"group_size": -1, "symmetric": True}, "per-row codebooks, with no groups and no zero point")),
+}
+DEFAULT_GRID = {"bits": 4, "group_size": 64}  # where the method leaves them free
 
 
 def resolve_forward_dtype(name: str) -> str:
@@ -374,10 +383,10 @@ def resolve_clip_search(clip_search: bool | None, static_groups: bool, needs: st
 @dataclass
 class QuantizeConfig:
     method: str = "gptq"
-    bits: int = 4
-    group_size: int = 64
+    bits: int | None = None  # None: the method's (DEFAULT_GRID, or what FIXED_SETTINGS fixes)
+    group_size: int | None = None  # the same
     symmetric: bool = True
-    act_order: bool = True
+    act_order: bool | None = None  # GPTQ's column order; None: on where it applies (ACT_ORDER_METHODS)
     damp: float = 0.01
     clip_search: bool | None = None  # gptq with static groups (act_order): fit each group's grid with AWQ's output-error clip search; None: on where it applies
     sequential: bool = True
@@ -390,6 +399,11 @@ class QuantizeConfig:
     def validate(self) -> None:
         require(self.method in QUANTIZE_METHODS, f"unknown method '{self.method}'; use one of {', '.join(QUANTIZE_METHODS)}")
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+        self.resolve_format()
+        self.act_order = resolve_where_it_applies(
+            self.act_order, self.method in ACT_ORDER_METHODS,
+            f"--act-order orders GPTQ's columns: use it with --method {' or '.join(ACT_ORDER_METHODS)}, or pass --act-order false",
+        )
         self.clip_search = resolve_clip_search(self.clip_search, self.method == "gptq" and self.act_order, "--method gptq --act-order true")
         if self.method in CODEBOOK_METHODS:
             from compressors.squeezellm import check_bits
@@ -403,6 +417,22 @@ class QuantizeConfig:
             f"({', '.join(PER_LINEAR_METHODS)}); pass --true-sequential false",
         )
         self.default_grid()
+
+    def resolve_format(self) -> None:
+        """bits, group size and symmetry as the method runs them: what its format fixes (a
+        different value given is refused, not ignored), else the value given, else DEFAULT_GRID."""
+        fixed, format_name = FIXED_SETTINGS.get(self.method, ({}, ""))
+        for setting, value in fixed.items():
+            given = getattr(self, setting)
+            option = f"--{setting.replace('_', '-')}"
+            require(
+                given is None or given == value,
+                f"{self.method} quantizes to {format_name}: leave out {option} (or pass {option} {str(value).lower()}; got {str(given).lower()})",
+            )
+            setattr(self, setting, value)
+        for setting, value in DEFAULT_GRID.items():
+            if getattr(self, setting) is None:
+                setattr(self, setting, value)
 
     def default_grid(self):
         from compressors.grid import GridSpec

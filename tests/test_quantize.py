@@ -169,6 +169,14 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert "needs --calibration" in error("--method", "gptq")
     assert "--true-sequential takes --sequential true and a method that quantizes each linear" in error("--method", "awq", "--true-sequential", "true")
     assert "nf4 on the CPU needs input widths that are multiples of 64" in error("--method", "nf4")  # down_proj is 96 wide
+    # a setting the method would ignore is refused, not recorded in the lineage as if it had run
+    assert "int8 quantizes to bitsandbytes' LLM.int8, 8 bits with an absmax scale per output row: leave out --bits (or pass --bits 8; got 4)" \
+        in error("--method", "int8", "--bits", "4")
+    assert "nf4 quantizes to bitsandbytes' NF4, 4 bits in blocks of 64 with absmax scales: leave out --group-size (or pass --group-size 64; got 32)" \
+        in error("--method", "nf4", "--group-size", "32")
+    assert "leave out --symmetric (or pass --symmetric true; got false)" in error("--method", "int8", "--symmetric", "false")
+    assert "--act-order orders GPTQ's columns: use it with --method gptq or squeezellm-gptq, or pass --act-order false" \
+        in error("--method", "awq", "--act-order", "true")
     plan = tmp_path / "plan.yaml"
     plan.write_text("layers.0.self_attn.q_proj: {bits: 5}\n")  # matches nothing whole: names start with model.
     assert "override 'layers.0.self_attn.q_proj' matches no linear of this model" in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
@@ -262,6 +270,8 @@ def test_bitsandbytes_baselines_reload(tmp_path, tiny_folder, method):
     result = run_cli("quantize", "--model", tiny_folder, "--method", method, "--skip", "layers\\.0\\.,down_proj", "--out", out)
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "bitsandbytes"
+    params = json.loads((out / "lineage.json").read_text())["chain"][-1]["params"]  # the format's own settings, not the CLI's defaults
+    assert (params["bits"], params["group_size"], params["act_order"]) == ((4, 64) if method == "nf4" else (8, -1)) + (False,)
     from pipelines.evaluation import logical_parameters
 
     model = load_model(str(out)).model

@@ -160,6 +160,9 @@ def test_squeezellm_bad_input(tmp_path, tiny_folder, tiny_calibration):
 
     assert "squeezellm takes bits 2, 3, 4 (got 8)" in error("--bits", "8", "--calibration", tiny_calibration)
     assert "needs --calibration" in error()
+    assert "squeezellm quantizes to per-row codebooks, with no groups and no zero point: leave out --group-size (or pass --group-size -1; got 64)" \
+        in error("--group-size", "64", "--calibration", tiny_calibration)
+    assert "leave out --symmetric" in error("--symmetric", "false", "--calibration", tiny_calibration)
     plan = tmp_path / "plan.yaml"
     plan.write_text("'.*': {group_size: 32}\n")
     assert "squeezellm overrides set only bits" in error("--calibration", tiny_calibration, "--overrides", plan)
