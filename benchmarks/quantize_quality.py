@@ -54,8 +54,8 @@ def main() -> None:
     work = scratch_directory()
     for spec in args.runs.split(","):
         method, *rest = spec.split(":")
-        numbers = [int(part) for part in rest if part.lstrip("-").isdigit()]  # bits, then group size; unset: the method's
-        config = QuantizeConfig(method=method, bits=(numbers + [None])[0], group_size=(numbers[1:] + [None])[0],
+        bits, group_size = ([int(part) for part in rest if part.lstrip("-").isdigit()] + [None, None])[:2]  # unset: the method's
+        config = QuantizeConfig(method=method, bits=bits, group_size=group_size,
                                 sequential="stored" not in rest, clip_search=False if "noclip" in rest else None,
                                 forward_dtype="bfloat16" if "bf16" in rest else "float32", true_sequential=False if "whole" in rest else None)
         start = time.perf_counter()

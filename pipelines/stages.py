@@ -344,7 +344,7 @@ QUANTIZE_METHODS = ("rtn", "gptq", "awq", *CODEBOOK_METHODS, "nf4", "int8")
 CALIBRATED_METHODS = ("gptq", "awq", *CODEBOOK_METHODS)
 PER_LINEAR_METHODS = ("gptq", *CODEBOOK_METHODS)  # each linear from its own input statistics (AWQ scales a layer's linears together)
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own fixed formats; bits and group size do not apply
+BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own formats, which fix bits, group size and symmetry (FIXED_SETTINGS)
 ACT_ORDER_METHODS = ("gptq", "squeezellm-gptq")  # the methods whose GPTQ error feedback takes an act-order
 # The settings a method's format fixes, and that format in words (for the refusal of another value):
 # a value the method would ignore is refused, so that the lineage records only what ran.
