@@ -8,12 +8,16 @@
     # i+1 sees the outputs of the layer i that the stage left behind.
 
 Only the current layer runs on `device` (the rest of the model stays where it was loaded), and
-only one set of hidden states is held between layers, so activation memory does not grow with
-depth: one buffer for all samples (`runner.hidden` is its per-batch views) that each layer's
-outputs are copied into, so a stage that keeps a layer's inputs must copy them. With
-`dtype=torch.bfloat16` the layers run in bf16 (the hidden states are held in it too) while the
-model's own weights stay as loaded: about 3x faster matmuls on CPUs with AVX512-BF16 and on
-GPUs, at bf16's precision for the activations.
+only one set of hidden states is kept between layers, so activation memory does not grow with
+depth: one tensor per batch, each layer's outputs written over its inputs batch by batch. On the
+CPU they are kept in a scratch file (`scratch`, a temporary folder by default), not in the
+process's memory: a pass reads one batch at a time, so the process holds one batch of hidden
+states, not all of them (151 MB for 128 x 512 tokens of SmolLM2-135M in fp32, a sixth of a
+quantize run's peak), at the cost of a copy through the page cache per batch. On a GPU they stay
+in its memory (`hidden_in_file` chooses otherwise). `runner.hidden` gives a copy of them all. With `dtype=torch.bfloat16` the layers
+run in bf16 (the hidden states are kept in it too) while the model's own weights stay as loaded:
+about 3x faster matmuls on CPUs with AVX512-BF16 and on GPUs, at bf16's precision for the
+activations.
 """
 
 from __future__ import annotations
@@ -125,34 +129,41 @@ class LayerRunner:
         device: torch.device | str | None = None,
         on_layer_done: Callable[[int], None] | None = None,
         dtype: torch.dtype | None = None,
+        scratch: Path | None = None,
+        hidden_in_file: bool | None = None,
     ):
         self.model = model
         self.dtype = dtype
         self.layers = decoder_layers(model)
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.on_layer_done = on_layer_done
-        self.hidden, self.calls = self._record_layer_calls(input_ids, batch_size)
+        self.scratch = scratch
+        in_file = self.device.type == "cpu" if hidden_in_file is None else hidden_in_file
+        self._hidden = _BatchFile(scratch) if in_file else _BatchList()
+        self.calls = self._record_layer_calls(input_ids, batch_size)
         self._propagated = False
         self._kept: _BatchFile | None = None  # forward_true_sequential's scratch file
+
+    @property
+    def hidden(self) -> list[torch.Tensor]:
+        """The hidden states as they are now (a copy), one tensor per batch."""
+        return [self._hidden.read(batch, self.device).clone() for batch in range(len(self._hidden))]
 
     @torch.no_grad()
     def _record_layer_calls(self, input_ids: torch.Tensor, batch_size: int):
         """Run the model once with every decoder layer replaced by a pass-through that records
-        its arguments. The masks and position embeddings a layer receives depend on its type
-        (sliding or global attention in Gemma/Qwen3), so each layer keeps its own; the tensors
-        are shared between layers of one type, so this costs little memory. The base model is
-        called without its LM head, which on many samples would dwarf everything else."""
-        hidden: list[torch.Tensor] = []
+        its arguments, and the first layer's inputs. The masks and position embeddings a layer
+        receives depend on its type (sliding or global attention in Gemma/Qwen3), so each layer
+        keeps its own; the tensors are shared between layers of one type, so this costs little
+        memory. The base model is called without its LM head, which on many samples would dwarf
+        everything else."""
         calls: list[list[tuple[tuple, dict]]] = [[] for _ in self.layers]
 
         def recorder(index: int):
             def forward(hidden_states, *args, **kwargs):
                 calls[index].append((args, kwargs))
                 if index == 0:
-                    if not hidden:  # the first batch: now the shape is known, one buffer for all samples
-                        buffer = hidden_states.new_empty((len(input_ids), *hidden_states.shape[1:]), dtype=self.dtype)
-                        hidden.extend(buffer.split(batch_size))
-                    hidden[len(calls[0]) - 1].copy_(hidden_states)
+                    self._hidden.append(hidden_states.to(self.dtype) if self.dtype is not None else hidden_states)
                 if index == len(self.layers) - 1:
                     raise _Stopped  # nothing after the last layer is needed (the final norm's transients are skipped)
                 return hidden_states
@@ -171,7 +182,7 @@ class LayerRunner:
             for layer in self.layers:
                 del layer.forward
         release_free_memory()  # the full-precision embeddings of every batch, freed
-        return hidden, calls
+        return calls
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -196,12 +207,12 @@ class LayerRunner:
                 self._kept = None
 
     def _batch_calls(self, layer: nn.Module) -> Iterator[tuple[torch.Tensor, tuple, dict]]:
-        """The current layer's recorded call arguments for every batch, on the device and in the
-        runner's dtype, while the layer's parameters are in that dtype. `hidden` is the buffer's
-        own view, never a copy: forward_true_sequential updates it in place."""
+        """The current layer's hidden states and recorded call arguments for every batch, on the
+        device and in the runner's dtype, while the layer's parameters are in that dtype. A
+        caller that changes the hidden states writes them back (`self._hidden.write`)."""
         with _running_in(layer, self.dtype):
-            for hidden, (args, kwargs) in zip(self.hidden, self.calls[self._index]):
-                yield hidden, _to(args, self.device, self.dtype), _to(kwargs, self.device, self.dtype)
+            for batch, (args, kwargs) in enumerate(self.calls[self._index]):
+                yield self._hidden.read(batch, self.device), _to(args, self.device, self.dtype), _to(kwargs, self.device, self.dtype)
 
     @torch.no_grad()
     def capture_inputs(self, layer: nn.Module, module: nn.Module) -> list[tuple[tuple, dict]]:
@@ -229,8 +240,8 @@ class LayerRunner:
                     output = layer(hidden, *args, **kwargs)
                 except _Stopped:
                     continue
-                if propagate:  # in place: a batch's input is dead once its output exists, so one set is held, not two
-                    self.hidden[batch].copy_(output)
+                if propagate:  # over its input: a batch's input is dead once its output exists, so one set is kept, not two
+                    self._hidden.write(batch, output)
         finally:
             if stop is not None:
                 stop.remove()
@@ -238,7 +249,7 @@ class LayerRunner:
         release_free_memory()  # the pass's transients, so that what runs next (a compressor) starts from its floor
 
     @torch.no_grad()
-    def forward_true_sequential(self, layer: nn.Module, arch: Architecture, compress: Callable[[dict], None], scratch: Path | None = None) -> None:
+    def forward_true_sequential(self, layer: nn.Module, arch: Architecture, compress: Callable[[dict], None]) -> None:
         """GPTQ's true-sequential order over the current layer, propagating its outputs, with
         each linear run once. The four groups of linears that read one tensor (q/k/v, o,
         gate/up, down: `arch.input_groups`) are compressed in turn, each from the moments of
@@ -248,8 +259,8 @@ class LayerRunner:
         steps along its pre-norm structure (`Architecture`'s docstring), and the two inputs that
         would cost a re-run, the attention's output (o's input) and the MLP's product (down's),
         are kept between the step that makes them and the one that reads them in a scratch file
-        in `scratch` (a temporary folder by default; one file for the walk): disk traffic
-        instead of holding 2.7x the hidden states in memory, or re-running gate/up. The hidden states buffer holds the layer's
+        in the runner's `scratch` (one file for the walk): disk traffic instead of holding 2.7x
+        the hidden states in memory, or re-running gate/up. The hidden states hold the layer's
         input, then the residual after attention, then the layer's output."""
         qkv, o, gate_up, down = arch.input_groups
         attention_norm, mlp_norm = layer.get_submodule(arch.attention_norm), layer.get_submodule(arch.mlp_norm)
@@ -269,7 +280,7 @@ class LayerRunner:
             kept.append(args[0])
 
         if self._kept is None:  # one file for the walk: each layer rewrites the pages of the one before
-            self._kept = _BatchFile(scratch)
+            self._kept = _BatchFile(self.scratch)
         kept = self._kept
         kept.clear()
         moments = Moments(layer.get_submodule(qkv[0]).in_features)
@@ -285,6 +296,7 @@ class LayerRunner:
         moments = Moments(layer.get_submodule(gate_up[0]).in_features)
         for batch, (hidden, _, _) in enumerate(self._batch_calls(layer)):  # the residual, in place of the input
             hidden.add_(attention_out_norm(o_proj(kept.read(batch, self.device))))
+            self._hidden.write(batch, hidden)
             moments.add(mlp_norm(hidden))
         compress_group(gate_up)
 
@@ -299,7 +311,7 @@ class LayerRunner:
         compress_group(down)
 
         for batch, (hidden, _, _) in enumerate(self._batch_calls(layer)):  # the layer's output, in place of the residual
-            hidden.add_(mlp_out_norm(down_proj(kept.read(batch, self.device))))
+            self._hidden.write(batch, hidden.add_(mlp_out_norm(down_proj(kept.read(batch, self.device)))))
         self._propagated = True
         release_free_memory()
 
@@ -314,23 +326,38 @@ def _hooked(module: nn.Module, pre_hook):
 
 
 class _BatchFile:
-    """One tensor per batch, appended to an unnamed temporary file in `folder` and read back by
-    batch index; `clear` starts over in the same file, whose pages are then rewritten rather
-    than allocated (8x faster here). The file is gone when closed, or when the process dies."""
+    """One tensor per batch, in an unnamed temporary file in `folder`, read back by batch index
+    into fresh memory; `write` replaces a batch's tensor with one of its shape in place, and
+    `clear` starts over in the same file, whose pages are then rewritten rather than allocated
+    (8x faster here). The file is gone when closed, or when the process dies. Hand-written
+    because what torch offers keeps the data in the process: `torch.from_file` maps the file,
+    and pages a map has touched count as the process's until it is unmapped."""
 
     def __init__(self, folder: Path | None):
         self.file = tempfile.TemporaryFile(dir=folder)
         self.clear()
 
+    def __len__(self) -> int:
+        return len(self.entries)
+
     def close(self) -> None:
         self.file.close()
 
     def append(self, tensor: torch.Tensor) -> None:
-        data = tensor.detach().to("cpu").contiguous()
-        self.file.seek(self.end)
+        self.write(len(self.entries), tensor)
+
+    def write(self, batch: int, tensor: torch.Tensor) -> None:
+        """`tensor` as batch `batch`: the next one, or in place of one of its shape (cast to its dtype)."""
+        if batch == len(self.entries):
+            data = tensor.detach().to("cpu").contiguous()
+            self.entries.append((self.end, data.shape, data.dtype))
+            self.end += data.numel() * data.element_size()
+        else:
+            start, shape, dtype = self.entries[batch]
+            assert tensor.shape == shape, f"batch {batch} holds {tuple(shape)}, not {tuple(tensor.shape)}"
+            data = tensor.detach().to("cpu", dtype).contiguous()
+        self.file.seek(self.entries[batch][0])
         self.file.write(_bytes_of(data))
-        self.entries.append((self.end, data.shape, data.dtype))
-        self.end += data.numel() * data.element_size()
 
     def read(self, batch: int, device: torch.device) -> torch.Tensor:
         start, shape, dtype = self.entries[batch]
@@ -342,6 +369,26 @@ class _BatchFile:
     def clear(self) -> None:
         self.entries: list[tuple[int, torch.Size, torch.dtype]] = []
         self.end = 0
+
+
+class _BatchList:
+    """_BatchFile's reading and writing over tensors held where they are (a GPU's memory):
+    `read` gives the kept tensor itself, so changing it in place changes the batch."""
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def append(self, tensor: torch.Tensor) -> None:
+        self.tensors.append(tensor.detach().clone())
+
+    def write(self, batch: int, tensor: torch.Tensor) -> None:
+        self.tensors[batch].copy_(tensor)  # torch skips a copy onto itself
+
+    def read(self, batch: int, device: torch.device) -> torch.Tensor:
+        return self.tensors[batch].to(device)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

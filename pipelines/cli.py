@@ -40,9 +40,7 @@ MODEL_HELP = "Model: a local Hugging Face folder, a hub id (org/name, when onlin
 RECOVERY_STEPS = typer.Option(0, "--recovery-steps", help="Distill from the parent for this many batches of calibration tokens (0: off).")
 RECOVERY_LR = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation.")
 RECOVERY_BATCH_SIZE = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step.")
-SEQUENTIAL_BATCH_SIZE = typer.Option(
-    4, "--batch-size", help="Calibration windows per forward pass of the sequential mode (more: a higher memory peak; for quantize, 8 measured no faster).",
-)
+SEQUENTIAL_BATCH_SIZE = typer.Option(4, "--batch-size", help="Calibration windows per forward pass of the sequential mode (more: a higher memory peak).")
 
 
 @app.command()
@@ -134,7 +132,9 @@ def quantize(
     ),
     skip: str = typer.Option("", help="Comma-separated regexes of linear names to keep dense, e.g. 'layers\\.0\\.,down_proj'."),
     overrides: str = typer.Option("", help="YAML file mapping linear-name regexes to {bits, group_size, symmetric} (per-layer plan)."),
-    batch_size: int = SEQUENTIAL_BATCH_SIZE,
+    batch_size: int = typer.Option(
+        2, "--batch-size", help="Calibration windows per forward pass of the sequential mode (more: a higher memory peak; 4 and 8 measured no faster).",
+    ),
 ):
     """Quantize the decoder's linears: a compressed-tensors (pack-quantized) model that stock transformers loads, or lmpress-packed for codebooks and asymmetric grids."""
     from pipelines.stages import QuantizeConfig, quantize as run

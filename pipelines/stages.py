@@ -4,6 +4,7 @@ lineage manifest."""
 
 from __future__ import annotations
 
+import gc
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -237,9 +238,11 @@ def walk_layers(loaded, calib, config, process, advance, finished=None, true_seq
     one tensor (q/k/v, o, gate/up, down), each group's statistics collected after the groups
     before it are compressed, so o_proj sees the compressed q/k/v's outputs and so on (GPTQ's
     true-sequential mode, AutoGPTQ's and GPTQModel's default; `LayerRunner.forward_true_sequential`,
-    which keeps two of the groups' inputs in a file in `scratch`); `statistics` then holds that
-    group's linears only. `finished(index, layer)` is called once the walk is done with a
-    layer (its outputs, if any, have gone on to the next one), then `advance()`."""
+    which keeps two of the groups' inputs in a file); `statistics` then holds that
+    group's linears only. The runner's scratch files (the hidden states, and those inputs) go
+    in `scratch` (a temporary folder by default). `finished(index, layer)` is called once the
+    walk is done with a layer (its outputs, if any, have gone on to the next one), then
+    `advance()`."""
     layers = decoder_layers(loaded.model)
     arch = architecture_of(loaded.config)
 
@@ -249,12 +252,12 @@ def walk_layers(loaded, calib, config, process, advance, finished=None, true_seq
         advance()
 
     if calib is not None and config.sequential:
-        runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=done, dtype=FORWARD_DTYPES[config.forward_dtype])
+        runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=done, dtype=FORWARD_DTYPES[config.forward_dtype], scratch=scratch)
         embedding = next(name for name, p in loaded.model.named_parameters() if p is loaded.model.get_input_embeddings().weight)
         map_weights(loaded, [embedding])  # the runner is done with it: a fresh map drops the pages its first pass read
         for index, layer in runner:
             if true_sequential:
-                runner.forward_true_sequential(layer, arch, lambda statistics: process(index, layer, statistics), scratch)
+                runner.forward_true_sequential(layer, arch, lambda statistics: process(index, layer, statistics))
                 continue
             with LayerStatisticsCollector({name: layer.get_submodule(name) for name in arch.linears}, loaded.config) as collector:
                 runner.forward(layer, propagate=False, until=layer.get_submodule(arch.linears[-1]))  # the moments taken, down need not run
@@ -394,7 +397,7 @@ class QuantizeConfig:
     forward_dtype: str = "auto"  # auto | float32 | bfloat16: the layers' dtype in the sequential passes (auto: resolve_forward_dtype)
     skip: str = ""  # comma-separated regexes of linear names left dense
     overrides: str = ""  # YAML file: {regex of linear names: {bits, group_size, symmetric}}
-    batch_size: int = 4  # sequential passes: as fast as 8, with a lower memory peak (smaller transients to fragment the heap)
+    batch_size: int = 2  # sequential passes: as fast as 4 or 8, with a lower memory peak (W3: 673 vs 720 MB; smaller transients to fragment the heap)
 
     def validate(self) -> None:
         require(self.method in QUANTIZE_METHODS, f"unknown method '{self.method}'; use one of {', '.join(QUANTIZE_METHODS)}")
@@ -649,9 +652,11 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
             save_lmpress_packed(loaded.model, packed, tmp)  # what compressed-tensors cannot carry
         else:
             save_pack_quantized(loaded.model, packed, plan, tmp)
-        loaded.tokenizer.save_pretrained(tmp)
-        packed.clear()  # written: their memory, and the model's, goes back before the kernels are validated
+        packed.clear()  # written: their memory, and the model's, goes back before the tokenizer loads and the kernels are validated
         loaded.model = None
+        gc.collect()  # the model's modules reference each other: only a collection frees them (and unmaps the embedding)
+        release_free_memory()
+        loaded.tokenizer.save_pretrained(tmp)
         shutil.rmtree(spilled)
         bundle_kernels(tmp)
         validate(tmp)
@@ -696,7 +701,7 @@ class PruneConfig:
     forward_dtype: str = "auto"
     skip: str = ""  # comma-separated regexes of linear names left dense
     overrides: str = ""  # YAML file: {regex of linear names: pattern, e.g. "4:8" or 0.6, or {pattern, bits, group_size, symmetric}}
-    batch_size: int = 4  # sequential passes, as quantize's
+    batch_size: int = 4  # sequential passes
 
     def validate(self) -> None:
         from compressors.sparsity import PRUNE_METHODS, parse_pattern

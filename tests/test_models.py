@@ -102,7 +102,7 @@ def test_runner_propagates_the_changed_layer():
     torch.testing.assert_close(model.base_model.norm(torch.cat(runner.hidden)), expected, rtol=1e-5, atol=1e-5)
 
 
-def _true_sequential_walk(family: str, stepped: bool, dtype: torch.dtype | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _true_sequential_walk(family: str, stepped: bool, dtype: torch.dtype | None, hidden_in_file: bool | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Every layer in true-sequential order, each group of linears halved once its input moments
     are taken: `stepped` by `forward_true_sequential` (each linear run once), else the plain way (the layer re-run
     up to each group, then once more to propagate). Returns the moments and the final hidden states."""
@@ -110,7 +110,8 @@ def _true_sequential_walk(family: str, stepped: bool, dtype: torch.dtype | None)
 
     model = tiny_model(family)
     arch = architecture_of(model.config)
-    runner = LayerRunner(model, torch.randint(0, 320, (5, 24), generator=torch.Generator().manual_seed(1)), batch_size=2, dtype=dtype)
+    runner = LayerRunner(model, torch.randint(0, 320, (5, 24), generator=torch.Generator().manual_seed(1)), batch_size=2, dtype=dtype,
+                         hidden_in_file=hidden_in_file)
     moments = []
 
     def halve(layer, statistics):
@@ -140,6 +141,26 @@ def test_true_sequential_stepped_walk_equals_rerunning_the_layer_per_group(famil
     for got, expected in zip(moments, expected_moments):
         assert torch.equal(got, expected)
     assert torch.equal(hidden, expected_hidden)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_hidden_states_in_a_file_or_in_memory_walk_alike(dtype):
+    """On the CPU the runner keeps the hidden states in a scratch file, one batch read at a time
+    (the last batch shorter); kept in memory, as on a GPU, the walk is the same bit for bit."""
+    from calibrate.runner import _BatchFile
+
+    runner = LayerRunner(tiny_model("llama"), torch.randint(0, 320, (5, 24)), batch_size=2, dtype=dtype)
+    assert isinstance(runner._hidden, _BatchFile) and [h.shape[0] for h in runner.hidden] == [2, 2, 1]
+    assert {h.dtype for h in runner.hidden} == {dtype or torch.float32}
+    for stepped in (True, False):  # the stepped walk's in-place updates, and whole-layer passes
+        (moments, hidden), (in_memory, hidden_in_memory) = (_true_sequential_walk("llama", stepped, dtype, in_file) for in_file in (True, False))
+        assert all(torch.equal(a, b) for a, b in zip(moments, in_memory)) and torch.equal(hidden, hidden_in_memory)
+    stored = _BatchFile(None)
+    stored.append(torch.zeros(2, 3))
+    stored.write(0, torch.ones(2, 3, dtype=torch.float64))  # in place, in the batch's own dtype
+    assert torch.equal(stored.read(0, torch.device("cpu")), torch.ones(2, 3))
+    with pytest.raises(AssertionError, match=r"batch 0 holds \(2, 3\), not \(3, 3\)"):
+        stored.write(0, torch.zeros(3, 3))
 
 
 def test_unsupported_architecture_names_the_supported_ones():
