@@ -66,7 +66,7 @@ def calibrate(model: str, out: Path, config: CalibrateConfig) -> Path:
     samples = sample_windows(config.corpus, loaded.tokenizer, config.samples, config.seq_len, config.seed)
     with atomic_directory(out) as tmp, progress_bar("calibrate: layers", loaded.config.num_hidden_layers) as advance:
         (tmp / "stats").mkdir()
-        runner = LayerRunner(loaded.model, samples.input_ids, config.batch_size, on_layer_done=lambda _: advance())
+        runner = LayerRunner(loaded.model, samples.input_ids, config.batch_size, on_layer_done=lambda _: advance(), scratch=tmp)
         groups, tokens = None, None
         for index, layer in runner:
             influence = BlockInfluence()  # what depth pruning ranks layers by, batch by batch: no copy of the layer's inputs
@@ -815,7 +815,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     # magnitude needs none, but reports its objective when stored statistics are at hand
     needs_statistics = config.needs_calibration or (calib is not None and not config.sequential)
     with atomic_directory(out) as tmp, progress_bar(f"prune ({config.method})", loaded.config.num_hidden_layers) as advance:
-        walk_layers(loaded, calib if needs_statistics else None, config, prune_layer, advance)
+        walk_layers(loaded, calib if needs_statistics else None, config, prune_layer, advance, scratch=tmp)
         record = {"stage": "prune", "params": asdict(config), "overrides": overrides, **calibration_record(calib)}
         write_json(tmp / PRUNE_REPORT, {"linears": report, **_pruning_summary(report)})
         # served compressed: 2:4 linears (their kept half, fp16 or quantized), other quantized ones as grids
@@ -1086,7 +1086,7 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
 
     with atomic_directory(out) as tmp, progress_bar(f"kv-merge ({config.method})", model_config.num_hidden_layers) as advance:
         if needs_calibration:  # layer by layer: each layer is fitted on the outputs of the merged ones before it
-            runner = LayerRunner(loaded.model, calib.spread_samples(config.samples), config.batch_size, on_layer_done=lambda _: advance())
+            runner = LayerRunner(loaded.model, calib.spread_samples(config.samples), config.batch_size, on_layer_done=lambda _: advance(), scratch=tmp)
             for index, layer in runner:
                 merge_layer(index, layer, runner.capture_inputs(layer, layer.self_attn))
         else:
