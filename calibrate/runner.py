@@ -14,10 +14,10 @@ CPU they are kept in a scratch file (`scratch`, a temporary folder by default), 
 process's memory: a pass reads one batch at a time, so the process holds one batch of hidden
 states, not all of them (151 MB for 128 x 512 tokens of SmolLM2-135M in fp32, a sixth of a
 quantize run's peak), at the cost of a copy through the page cache per batch. On a GPU they stay
-in its memory (`hidden_in_file` chooses otherwise). `runner.hidden` gives a copy of them all. With `dtype=torch.bfloat16` the layers
-run in bf16 (the hidden states are kept in it too) while the model's own weights stay as loaded:
-about 3x faster matmuls on CPUs with AVX512-BF16 and on GPUs, at bf16's precision for the
-activations.
+in its memory (`hidden_in_file` chooses otherwise). `runner.hidden` gives a copy of them all.
+With `dtype=torch.bfloat16` the layers run in bf16 (the hidden states are kept in it too) while
+the model's own weights stay as loaded: about 3x faster matmuls on CPUs with AVX512-BF16 and on
+GPUs, at bf16's precision for the activations.
 """
 
 from __future__ import annotations
