@@ -144,6 +144,13 @@ class LayerRunner:
         self._propagated = False
         self._kept: _BatchFile | None = None  # forward_true_sequential's scratch file
 
+    def close(self) -> None:
+        """Close the scratch files (a stage does, before its partial output folder is renamed)."""
+        self._hidden.close()
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
+
     @property
     def hidden(self) -> list[torch.Tensor]:
         """The hidden states as they are now (a copy), one tensor per batch."""
@@ -217,7 +224,9 @@ class LayerRunner:
     @torch.no_grad()
     def capture_inputs(self, layer: nn.Module, module: nn.Module) -> list[tuple[tuple, dict]]:
         """The (args, kwargs) that `module`, a part of the current layer, is called with on every
-        batch. The layer runs only up to that call, so capturing costs almost nothing."""
+        batch. The layer runs only up to that call, so capturing costs almost nothing. On a GPU
+        a module that takes the layer's input unchanged gets the kept hidden states themselves,
+        which the next propagating pass overwrites: clone what must outlive it."""
         captured = []
         handle = module.register_forward_pre_hook(lambda _, args, kwargs: captured.append((args, kwargs)), with_kwargs=True)
         try:
@@ -353,8 +362,8 @@ class _BatchFile:
             self.entries.append((self.end, data.shape, data.dtype))
             self.end += data.numel() * data.element_size()
         else:
-            start, shape, dtype = self.entries[batch]
-            assert tensor.shape == shape, f"batch {batch} holds {tuple(shape)}, not {tuple(tensor.shape)}"
+            _, shape, dtype = self.entries[batch]
+            _require_shape(batch, shape, tensor)
             data = tensor.detach().to("cpu", dtype).contiguous()
         self.file.seek(self.entries[batch][0])
         self.file.write(_bytes_of(data))
@@ -363,7 +372,8 @@ class _BatchFile:
         start, shape, dtype = self.entries[batch]
         tensor = torch.empty(shape, dtype=dtype)
         self.file.seek(start)
-        self.file.readinto(_bytes_of(tensor))
+        if self.file.readinto(_bytes_of(tensor)) != tensor.numel() * tensor.element_size():
+            raise RuntimeError(f"scratch file {self.file.name} lost batch {batch}: is its disk full?")
         return tensor.to(device)
 
     def clear(self) -> None:
@@ -381,14 +391,27 @@ class _BatchList:
     def __len__(self) -> int:
         return len(self.tensors)
 
+    def close(self) -> None:
+        self.tensors.clear()
+
     def append(self, tensor: torch.Tensor) -> None:
-        self.tensors.append(tensor.detach().clone())
+        self.write(len(self.tensors), tensor)
 
     def write(self, batch: int, tensor: torch.Tensor) -> None:
-        self.tensors[batch].copy_(tensor)  # torch skips a copy onto itself
+        if batch == len(self.tensors):
+            self.tensors.append(tensor.detach().clone())
+        else:
+            _require_shape(batch, self.tensors[batch].shape, tensor)
+            self.tensors[batch].copy_(tensor)  # torch skips a copy onto itself
 
     def read(self, batch: int, device: torch.device) -> torch.Tensor:
         return self.tensors[batch].to(device)
+
+
+def _require_shape(batch: int, shape: torch.Size, tensor: torch.Tensor) -> None:
+    """A batch is replaced only by a tensor of its shape (copy_ would broadcast a smaller one)."""
+    if tensor.shape != shape:
+        raise ValueError(f"batch {batch} holds {tuple(shape)}, not {tuple(tensor.shape)}")
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

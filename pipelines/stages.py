@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import re
 import shutil
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,19 +67,19 @@ def calibrate(model: str, out: Path, config: CalibrateConfig) -> Path:
     samples = sample_windows(config.corpus, loaded.tokenizer, config.samples, config.seq_len, config.seed)
     with atomic_directory(out) as tmp, progress_bar("calibrate: layers", loaded.config.num_hidden_layers) as advance:
         (tmp / "stats").mkdir()
-        runner = LayerRunner(loaded.model, samples.input_ids, config.batch_size, on_layer_done=lambda _: advance(), scratch=tmp)
-        groups, tokens = None, None
-        for index, layer in runner:
-            influence = BlockInfluence()  # what depth pruning ranks layers by, batch by batch: no copy of the layer's inputs
-            handle = layer.register_forward_hook(influence.hook, with_kwargs=True)
-            try:
-                with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
-                    runner.forward(layer)
-            finally:
-                handle.remove()
-            require(groups in (None, collector.group), f"layer {index} shares inputs differently from layer 0")
-            groups, tokens = collector.group, collector.tokens
-            save_file({**collector.tensors(), BLOCK_INFLUENCE: torch.tensor(influence.value)}, tmp / "stats" / f"layer_{index:03d}.safetensors")
+        with closing(LayerRunner(loaded.model, samples.input_ids, config.batch_size, on_layer_done=lambda _: advance(), scratch=tmp)) as runner:
+            groups, tokens = None, None
+            for index, layer in runner:
+                influence = BlockInfluence()  # what depth pruning ranks layers by, batch by batch: no copy of the layer's inputs
+                handle = layer.register_forward_hook(influence.hook, with_kwargs=True)
+                try:
+                    with LayerStatisticsCollector(layer_linears(loaded.model, layer), loaded.config) as collector:
+                        runner.forward(layer)
+                finally:
+                    handle.remove()
+                require(groups in (None, collector.group), f"layer {index} shares inputs differently from layer 0")
+                groups, tokens = collector.group, collector.tokens
+                save_file({**collector.tensors(), BLOCK_INFLUENCE: torch.tensor(influence.value)}, tmp / "stats" / f"layer_{index:03d}.safetensors")
         save_file({"input_ids": samples.input_ids.contiguous()}, tmp / "samples.safetensors")
         calibration = {
             "corpus": config.corpus,
@@ -252,19 +253,20 @@ def walk_layers(loaded, calib, config, process, advance, finished=None, true_seq
         advance()
 
     if calib is not None and config.sequential:
-        runner = LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=done, dtype=FORWARD_DTYPES[config.forward_dtype], scratch=scratch)
-        embedding = next(name for name, p in loaded.model.named_parameters() if p is loaded.model.get_input_embeddings().weight)
-        map_weights(loaded, [embedding])  # the runner is done with it: a fresh map drops the pages its first pass read
-        for index, layer in runner:
-            if true_sequential:
-                runner.forward_true_sequential(layer, arch, lambda statistics: process(index, layer, statistics))
-                continue
-            with LayerStatisticsCollector({name: layer.get_submodule(name) for name in arch.linears}, loaded.config) as collector:
-                runner.forward(layer, propagate=False, until=layer.get_submodule(arch.linears[-1]))  # the moments taken, down need not run
-            statistics = collector.statistics()
-            del collector  # its fp64 sums and buffers, before the compressor's own working memory
-            process(index, layer, statistics)
-            del statistics  # not held through the layer's outputs pass, where it would pin the heap's top
+        with closing(LayerRunner(loaded.model, calib.input_ids, config.batch_size, on_layer_done=done, dtype=FORWARD_DTYPES[config.forward_dtype],
+                                 scratch=scratch)) as runner:
+            embedding = next(name for name, p in loaded.model.named_parameters() if p is loaded.model.get_input_embeddings().weight)
+            map_weights(loaded, [embedding])  # the runner is done with it: a fresh map drops the pages its first pass read
+            for index, layer in runner:
+                if true_sequential:
+                    runner.forward_true_sequential(layer, arch, lambda statistics: process(index, layer, statistics))
+                    continue
+                with LayerStatisticsCollector({name: layer.get_submodule(name) for name in arch.linears}, loaded.config) as collector:
+                    runner.forward(layer, propagate=False, until=layer.get_submodule(arch.linears[-1]))  # the moments taken, down need not run
+                statistics = collector.statistics()
+                del collector  # its fp64 sums and buffers, before the compressor's own working memory
+                process(index, layer, statistics)
+                del statistics  # not held through the layer's outputs pass, where it would pin the heap's top
         return
     base_index = base_layer_indices(read_lineage(loaded.folder))
     for index, layer in enumerate(layers):
@@ -1086,9 +1088,10 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
 
     with atomic_directory(out) as tmp, progress_bar(f"kv-merge ({config.method})", model_config.num_hidden_layers) as advance:
         if needs_calibration:  # layer by layer: each layer is fitted on the outputs of the merged ones before it
-            runner = LayerRunner(loaded.model, calib.spread_samples(config.samples), config.batch_size, on_layer_done=lambda _: advance(), scratch=tmp)
-            for index, layer in runner:
-                merge_layer(index, layer, runner.capture_inputs(layer, layer.self_attn))
+            with closing(LayerRunner(loaded.model, calib.spread_samples(config.samples), config.batch_size, on_layer_done=lambda _: advance(),
+                                     scratch=tmp)) as runner:
+                for index, layer in runner:
+                    merge_layer(index, layer, runner.capture_inputs(layer, layer.self_attn))
         else:
             for index, layer in enumerate(decoder_layers(loaded.model)):
                 merge_layer(index, layer, [])

@@ -147,7 +147,7 @@ def test_true_sequential_stepped_walk_equals_rerunning_the_layer_per_group(famil
 def test_hidden_states_in_a_file_or_in_memory_walk_alike(dtype):
     """On the CPU the runner keeps the hidden states in a scratch file, one batch read at a time
     (the last batch shorter); kept in memory, as on a GPU, the walk is the same bit for bit."""
-    from calibrate.runner import _BatchFile
+    from calibrate.runner import _BatchFile, _BatchList
 
     runner = LayerRunner(tiny_model("llama"), torch.randint(0, 320, (5, 24)), batch_size=2, dtype=dtype)
     assert isinstance(runner._hidden, _BatchFile) and [h.shape[0] for h in runner.hidden] == [2, 2, 1]
@@ -159,8 +159,11 @@ def test_hidden_states_in_a_file_or_in_memory_walk_alike(dtype):
     stored.append(torch.zeros(2, 3))
     stored.write(0, torch.ones(2, 3, dtype=torch.float64))  # in place, in the batch's own dtype
     assert torch.equal(stored.read(0, torch.device("cpu")), torch.ones(2, 3))
-    with pytest.raises(AssertionError, match=r"batch 0 holds \(2, 3\), not \(3, 3\)"):
-        stored.write(0, torch.zeros(3, 3))
+    in_memory = _BatchList()
+    in_memory.append(torch.zeros(2, 3))
+    for store in (stored, in_memory):
+        with pytest.raises(ValueError, match=r"batch 0 holds \(2, 3\), not \(1, 3\)"):
+            store.write(0, torch.zeros(1, 3))  # copy_ would broadcast it
 
 
 def test_unsupported_architecture_names_the_supported_ones():
