@@ -373,7 +373,7 @@ class _BatchFile:
         tensor = torch.empty(shape, dtype=dtype)
         self.file.seek(start)
         if self.file.readinto(_bytes_of(tensor)) != tensor.numel() * tensor.element_size():
-            raise RuntimeError(f"scratch file {self.file.name} lost batch {batch}: is its disk full?")
+            raise RuntimeError(f"the scratch file gave back less than batch {batch} holds: was it truncated?")
         return tensor.to(device)
 
     def clear(self) -> None:
