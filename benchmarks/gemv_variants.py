@@ -167,14 +167,23 @@ def main() -> None:
     parser.add_argument("--sass", action="store_true")
     parser.add_argument("--production", action="store_true",
                         help="time compressors/packed_int.py's GEMV at each of its launch shapes instead, in unit order and interleaved")
+    parser.add_argument("--layouts", default="unit order,interleaved", help="with --production: which layouts to time")
+    parser.add_argument("--compile-workers", type=int, default=0, help="with --production: compile every launch shape first in this many processes")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_variants"))
     args = parser.parse_args()
     if args.sass:
         return sass_counts()
 
-    from compressors.kernels import weight_seconds
+    from compressors.kernels import gpu_seconds, l2_overflowing_copies, weight_seconds
     from compressors.packed_int import matmul_reference, matmul_triton, random_packed_weight
 
+    layouts = args.layouts.split(",")
+    if args.production and args.compile_workers:
+        from benchmarks.kernel_speed import launch_tasks, precompile
+
+        ks = sorted({int(shape.split("x")[1]) for shape in args.shapes.split(",")})
+        precompile([task for layout in layouts for task in launch_tasks(None, (4, "symmetric", 128, layout == "interleaved"), ks, [1])],
+                   args.compile_workers)
     rows = []
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
@@ -188,12 +197,15 @@ def main() -> None:
         if args.production:  # each launch shape the autotuner chooses from, timed as serving replays it, in both layouts
             from compressors.packed_int import GEMV_CONFIGS, _grid_matmul
 
-            for layout, served in (("unit order", weight), ("interleaved", weight.interleave())):
+            for layout in layouts:
+                served = weight.interleave() if layout == "interleaved" else weight
                 autotuned = current if layout == "unit order" else weight_seconds(lambda w: matmul_triton(x, w), served)
+                copies = [served] + [served.clone() for _ in range(l2_overflowing_copies(served.nbytes) - 1)]  # as weight_seconds, made once
+                y = torch.empty(1, n, device="cuda", dtype=torch.float16)
                 for config in GEMV_CONFIGS:
-                    y = torch.empty(1, n, device="cuda", dtype=torch.float16)
+                    y.fill_(float("nan"))  # a launch that leaves an output unwritten shows as NaN error
                     error = ((_grid_matmul(x, served, y, config).float() - reference).norm() / reference.norm()).item()
-                    seconds = weight_seconds(lambda w: _grid_matmul(x, w, torch.empty(1, n, device="cuda", dtype=torch.float16), config), served)
+                    seconds = gpu_seconds([lambda copy=copy: _grid_matmul(x, copy, y, config) for copy in copies])
                     row = dict(shape=shape, layout=layout, launch=str(config.all_kwargs()), us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2),
                                rel_error=error, fp16_us=round(fp16 * 1e6, 1), autotuned_us=round(autotuned * 1e6, 1),
                                read_TBps=round(weight.nbytes / seconds / 1e12, 2))
@@ -222,6 +234,13 @@ def main() -> None:
             best = next(group)
             print(f"{shape} {layout}: autotuned {best['autotuned_us']} us = {best['fp16_us'] / best['autotuned_us']:.2f}x fp16 ({best['fp16_us']} us); "
                   f"best launch {best['us']} us = {best['speedup']}x, {best['read_TBps']} TB/s, {best['launch']}, rel error {best['rel_error']:.1e}")
+        print(f"largest rel error of any launch: {max(r['rel_error'] for r in rows):.1e}")
+        for (shape, layout), group in itertools.groupby(sorted(rows, key=lambda r: (r["shape"], r["layout"])), key=lambda r: (r["shape"], r["layout"])):
+            group = list(group)
+            for pipelined in (False, True):  # the best launch that loads one block at a time, and the best that copies blocks ahead
+                best = min((r for r in group if ("'STAGES': 1," in r["launch"]) != pipelined), key=lambda r: r["us"], default=None)
+                if best:
+                    print(f"{shape} {layout} {'copied ahead' if pipelined else 'one block at a time'}: {best['us']} us = {best['speedup']}x, {best['launch']}")
         return
     print("\nbest per shape and mode:")
     for (shape, mode), group in itertools.groupby(sorted(rows, key=lambda r: (r["shape"], r["mode"], r["us"])), key=lambda r: (r["shape"], r["mode"])):

@@ -9,6 +9,8 @@
 #             all 8 kinds at 3 batches take longer than one 10-minute call: name a few with --kinds);
 #             with .gpu-baseline/packed_int.py (an earlier version of the kernels, e.g.
 #             `git show REV:compressors/packed_int.py`) it is timed side by side too;
+#   gemv      benchmarks/gemv_variants.py --production: the int4 GEMV at every launch shape the tuner
+#             may pick, both layouts, at realistic layer shapes (compiled first on $COMPILE_WORKERS)
 #   latency   `lmpress latency --random-weights` on the GPU: the table `search --budget-latency`
 #             counts in (its launches compiled first, in parallel: kernel_speed.py --levels),
 #             from a model's config.json and a level database's manifest.json alone
@@ -19,7 +21,10 @@
 # Reports go to $OUT (default /tmp/lmpress-gpu), the full log to $OUT/gpu_check.log. Packages the
 # machine lacks (compressed-tensors, bitsandbytes and their needs) may be carried as wheels in .whl/.
 #
-#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [latency]      (default: all four)
+# TESTS_K replaces the tests' selection (e.g. "every_tuned and pipelined": the GEMV launches that
+# copy blocks ahead).
+#
+#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [gemv] [latency]      (default: all but gemv)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lmpress-gpu}
@@ -39,7 +44,8 @@ status=0
 if [[ " $STEPS " == *" tests "* ]]; then
     # no autotuning (LMPRESS_AUTOTUNE=0): the tests run every launch shape by hand; compiling them
     # is the cost, so it is spread over the machine's cores
-    LMPRESS_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" tests/test_kernels.py -k "fused or dequantize or self_check or packed_linear or references or fast_grid or every_tuned or split_k" \
+    LMPRESS_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" tests/test_kernels.py \
+        -k "${TESTS_K:-fused or dequantize or self_check or packed_linear or references or fast_grid or every_tuned or split_k}" \
         >>"$LOG" 2>&1 || status=1
     grep -E "passed|failed" "$LOG" | tail -1
 fi
@@ -62,6 +68,10 @@ if [[ " $STEPS " == *" speed "* ]]; then
     [ -f .gpu-baseline/packed_int.py ] && baseline=(--baseline .gpu-baseline/packed_int.py)
     python3 benchmarks/kernel_speed.py --out "$OUT/kernel_speed" --compile-workers "${COMPILE_WORKERS:-14}" ${baseline[@]+"${baseline[@]}"} ${SPEED_ARGS:-} >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     cat "$OUT/kernel_speed.md" 2>/dev/null
+fi
+if [[ " $STEPS " == *" gemv "* ]]; then
+    python3 benchmarks/gemv_variants.py --production --compile-workers "${COMPILE_WORKERS:-14}" --out "$OUT/gemv" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
+    grep -E "autotuned .* best launch" "$LOG" | tail -6
 fi
 if [[ " $STEPS " == *" latency "* ]]; then
     if [ -f "$LATENCY/model/config.json" ] && [ -f "$LATENCY/levels/manifest.json" ]; then

@@ -113,7 +113,7 @@ def loop_body(machine_code: str) -> list[str]:
 # (name, kernel attribute, constexprs): the decode paths lmpress serves, grid kernels at one
 # launch shape each (which shape the autotuner picks changes tiling, not the code paths)
 # settings that an earlier kernel without them had implicitly (GROUP: it took the group size at run time)
-NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False, "PTX": False, "EVEN": False, "GROUP": 128, "INTERLEAVED": False}
+NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False, "PTX": False, "EVEN": False, "GROUP": 128, "INTERLEAVED": False, "STAGES": 1}
 GRID = dict(BITS=4, HAS_ZERO=False, **NEUTRAL)
 GENERAL = dict(CODEBOOK=False, HAS_ZERO=False, SPARSE24=False)
 CASES = [
@@ -126,6 +126,7 @@ CASES = [
     ("grid GEMV int4 split-K 4", "_grid_gemv_kernel", dict(GRID, BLOCK_N=32, WORDS=128, SPLIT_K=4)),
     ("grid GEMV int4 PTX decode whole blocks interleaved", "_grid_gemv_kernel", dict(GRID, PTX=True, EVEN=True, INTERLEAVED=True, BLOCK_N=2, WORDS=512)),
     ("grid GEMV int3 asymmetric interleaved", "_grid_gemv_kernel", dict(GRID, BITS=3, HAS_ZERO=True, INTERLEAVED=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMV int4 PTX decode copied ahead", "_grid_gemv_kernel", dict(GRID, PTX=True, BLOCK_N=8, WORDS=128, STAGES=3)),
     ("grid GEMV codebook 4-bit interleaved", "_grid_gemv_kernel", dict(GRID, CODEBOOK=True, INTERLEAVED=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMM int4 interleaved", "_grid_gemm_kernel", dict(GRID, INTERLEAVED=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMM codebook 3-bit interleaved", "_grid_gemm_kernel", dict(GRID, BITS=3, CODEBOOK=True, INTERLEAVED=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
@@ -211,7 +212,7 @@ def layouts(kernel: str, out: Path, bits: int = 4, baseline: Path | None = None)
             body = collections.Counter(loop_body(code))
             memory = {op: body[op] for op in sorted(body) if op.split(".")[0] in ("LDG", "LDGSTS", "STS", "STSM", "LDS", "LDSM", "BAR")}
             block = " x ".join(str(launch[key]) for key in ("BLOCK_M", "BLOCK_N", "WORDS") if key in launch)
-            rows.append({"launch": f"{block}, split {launch['SPLIT_K']}, {config.num_warps} warps", "layout": "interleaved" if interleaved else "unit order",
+            rows.append({"launch": f"{block}, split {launch['SPLIT_K']}, {config.num_warps} warps" + (f", copied {launch['STAGES'] - 1} ahead" if launch.get("STAGES", 1) > 1 else ""), "layout": "interleaved" if interleaved else "unit order",
                          "registers": int(re.search(r"REG:(\d+)", code).group(1)),
                          "words_per_thread": launch["BLOCK_N"] * launch["WORDS"] // (32 * config.num_warps),
                          "loop_instructions": sum(body.values()), "loop_memory": memory,

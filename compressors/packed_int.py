@@ -502,7 +502,15 @@ def _tuned(kernel, configs: list, key: list[str]):
     run every configuration by hand), the first configuration."""
     if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("LMPRESS_AUTOTUNE") == "0":
         return kernel, dict(configs[0].kwargs)
-    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": _split_k_fits})(kernel), {}
+    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": _split_k_fits}, do_bench=_quick_bench)(kernel), {}
+
+
+def _quick_bench(call, quantiles):
+    """The tuner's timing of one launch shape: 25 ms of runs after 5 ms of warm-up, not Triton's
+    100 after 25. These kernels take 5 to 100 us, so that is still over a hundred runs (each
+    after an L2 flush), and each layer shape and kind a model serves costs 0.6 s of timing over
+    the 19 GEMV launch shapes instead of 2.4 s."""
+    return triton.testing.do_bench(call, warmup=5, rep=25, quantiles=quantiles)
 
 
 def _split_k(config: dict, **launch) -> "triton.Config":
@@ -897,7 +905,7 @@ def _centered_dot4(word, x0, x1, x2, x3, x4, x5, x6, x7, PTX: tl.constexpr):
 def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_bn,
                       GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
                       PTX: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr,
-                      EVEN: tl.constexpr):
+                      EVEN: tl.constexpr, STAGES: tl.constexpr = 1):
     """Batch 1. Grids: per unit, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
     * scale; 4-bit grids: sum_j (code_j - 8) x[k_j] (`_centered_dot4`; PTX: decoded in half2 on
     a GPU), minus zero * sum_j x[k_j] if asymmetric, times the scale. Codebooks (table_ptr):
@@ -906,8 +914,10 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     layout); 4-bit grids load the block's x in one contiguous run and split it by code, which
     on sm_90 took 1-25% off the unit-order loop against a strided load per code
     (benchmarks/kernel_sass.py --gemv-layouts). Program (i, s) covers rows block i over slice s of K.
-    (Loading the next block's words before this block's arithmetic, by hand, since Triton
-    pipelines only loads that feed tl.dot, was no faster on an H100: 8.4 -> 8.7 us at 4096x4096.)"""
+    STAGES > 1: the loop's loads are copied STAGES - 1 blocks ahead into shared memory (cp.async;
+    Triton pipelines loads that feed no tl.dot only when tl.range is told to). On an H100 that
+    made unit order up to 1.16x faster at its best launch and interleaved 4-bit slower at every
+    launch (benchmarks/results/gemv_stages_h100.md), so both kinds of launch are tuned."""
     SPANS: tl.constexpr = unit_words(BITS)
     CODES: tl.constexpr = unit_codes(BITS)
     UNITS: tl.constexpr = block_units(BITS, WORDS, SPARSE24)
@@ -916,7 +926,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
     start, end = _k_slice(tl.cdiv(stored, CODES), UNITS, AXIS=1)
-    for u0 in range(start, end, UNITS):
+    for u0 in tl.range(start, end, UNITS, num_stages=STAGES):
         u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
         first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)
         units = u0 + tl.arange(0, UNITS)
@@ -1019,13 +1029,17 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
 # first of each list is what the interpreter runs; tests run every one of them there. The GEMV's:
 # small row blocks over long runs of words; on an H100 the tuner picked BLOCK_N 8 for every kind,
 # and 8 x 128 words was the fastest int4 shape at all three layer shapes timed
-# (benchmarks/results/gemv_int4_h100.md). The GEMM's: split-K shapes give a 4096-row layer
+# (benchmarks/results/gemv_int4_h100.md); then the 4 of 20 launches that copy blocks ahead
+# (STAGES > 1) with the least time over the three layer shapes in unit order, the layout they sped
+# up (benchmarks/results/gemv_stages_h100.md). The GEMM's: split-K shapes give a 4096-row layer
 # more programs than an H100's 132 SMs (64 x 64, split 4: 256) to hide each one's latency.
 GEMV_CONFIGS = [
-    _split_k({"BLOCK_N": n, "WORDS": w, "SPLIT_K": split}, num_warps=warps, num_stages=3)
-    for n, w, split, warps in [
-        (16, 64, 1, 4), (8, 128, 1, 4), (4, 256, 1, 4), (8, 256, 1, 8), (4, 128, 1, 4), (8, 64, 1, 4), (2, 512, 1, 4), (16, 128, 1, 4),
-        (32, 64, 1, 4), (4, 512, 1, 4), (8, 128, 2, 4), (4, 256, 2, 4), (8, 64, 4, 4), (16, 64, 2, 4), (4, 128, 4, 4),
+    _split_k({"BLOCK_N": n, "WORDS": w, "SPLIT_K": split, "STAGES": stages}, num_warps=warps, num_stages=3)
+    for n, w, split, warps, stages in [
+        (16, 64, 1, 4, 1), (8, 128, 1, 4, 1), (4, 256, 1, 4, 1), (8, 256, 1, 8, 1), (4, 128, 1, 4, 1), (8, 64, 1, 4, 1), (2, 512, 1, 4, 1),
+        (16, 128, 1, 4, 1), (32, 64, 1, 4, 1), (4, 512, 1, 4, 1), (8, 128, 2, 4, 1), (4, 256, 2, 4, 1), (8, 64, 4, 4, 1), (16, 64, 2, 4, 1),
+        (4, 128, 4, 4, 1),
+        (8, 128, 1, 4, 3), (16, 64, 1, 4, 3), (16, 128, 1, 4, 3), (8, 128, 1, 4, 2),
     ]
 ]
 GEMM_CONFIGS = [
@@ -1100,15 +1114,16 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     return y
 
 
-def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, block_n: int = 64, block_k: int = 64, tune: bool = True) -> torch.Tensor:
     """x [M, K] @ dequantized(weight)^T, fused: the fast grid kernels where they apply, else the
-    general tile kernels; a GEMV kernel serves M == 1."""
+    general tile kernels; a GEMV kernel serves M == 1. tune=False: the grid kernels launch their
+    first launch shape instead of the autotuned one (a check of the decode, not a timing)."""
     check_triton_backend(x.device)
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)
     if _takes_fast_grid(weight):
-        return _grid_matmul(x, weight, y)
+        return _grid_matmul(x, weight, y, None if tune else (GEMV_CONFIGS if M == 1 else GEMM_CONFIGS)[0])
     assert not weight.interleaved, "the general kernels read codes in column order"
     tensors, strides, flags = weight._kernel_args()
     if M == 1:

@@ -92,6 +92,21 @@ def test_self_check_and_selection():
     assert select_kernel(packed(3, 8, 64, None, "codebook"), DEVICE) is kernel
 
 
+def test_self_check_rejects_a_kernel_that_computes_wrong():
+    """The self-check runs `check` (the kernel untuned) against the reference: a kernel off by
+    a little is never selected."""
+    import dataclasses
+
+    from compressors.kernels import _self_checked, interleave_setting
+
+    kernel = KERNELS[0]
+    broken = dataclasses.replace(kernel, name="off-by-a-little", check=lambda x, weight: kernel.check(x, weight) * 1.05)
+    try:
+        assert self_check(kernel, DEVICE) and not self_check(broken, DEVICE)
+    finally:
+        _self_checked.pop((broken.name, str(DEVICE), interleave_setting()), None)
+
+
 def test_packed_linear_equals_the_dense_layer():
     weight = packed(4, 48, 128, 64)
     bias = torch.randn(48, device=DEVICE)
@@ -192,7 +207,16 @@ def _launch_shapes():
     return [(1, config) for config in GEMV_CONFIGS] + [(5, config) for config in GEMM_CONFIGS]
 
 
-@pytest.mark.parametrize("batch,config", _launch_shapes(), ids=lambda value: str(value.all_kwargs()) if hasattr(value, "all_kwargs") else None)
+def _launch_id(value):
+    """A launch shape's test id, in words `pytest -k` can select: `-k "every_tuned and pipelined"`
+    runs the GEMV launches that copy blocks ahead (benchmarks/gpu_check.sh)."""
+    if not hasattr(value, "all_kwargs"):
+        return None
+    words = [f"{key}{setting}" for key, setting in value.kwargs.items()] + [f"num_warps{value.num_warps}", f"num_stages{value.num_stages}"]
+    return "-".join(words + (["pipelined"] if value.kwargs.get("STAGES", 1) > 1 else []))
+
+
+@pytest.mark.parametrize("batch,config", _launch_shapes(), ids=_launch_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_every_tuned_launch_shape_matches_reference(batch, config, dtype):
     """On a GPU the autotuner may pick any launch shape, split-K ones (partial sums added
