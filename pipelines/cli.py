@@ -240,7 +240,7 @@ def levels(
     bits: str = typer.Option("2,3,4,8", help="Bit-widths to quantize every linear to (comma-separated; '' for none)."),
     group_size: str = typer.Option("64", help="Group sizes (input columns sharing one scale), each with every bit-width, e.g. 64,128 (-1: per channel)."),
     method: str = typer.Option("gptq", help="gptq or rtn, from the calibration's stored statistics."),
-    act_order: Switch = typer.Option(Switch.true, "--act-order", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
+    act_order: Optional[Switch] = typer.Option(None, "--act-order", show_default="true for gptq", help="GPTQ: quantize columns by decreasing Hessian diagonal."),
     clip_search: Optional[Switch] = clip_search_option("gptq"),
     sparse24: Switch = typer.Option(Switch.false, "--sparse24", help="Each bits level also 2:4 sparse with its kept weights quantized (SparseGPT), for 2:4 on/off."),
     sparsity: str = typer.Option("", help="Unstructured sparsity levels (Wanda), e.g. 0.4,0.5,0.6,0.7,0.8 ('' for none)."),
@@ -249,7 +249,7 @@ def levels(
     """Compress every linear once at every level: the database `lmpress search` picks from."""
     from pipelines.levels import LevelsConfig, level_database
 
-    config = LevelsConfig(bits=bits, group_size=group_size, method=method, act_order=bool(act_order), clip_search=optional_switch(clip_search),
+    config = LevelsConfig(bits=bits, group_size=group_size, method=method, act_order=optional_switch(act_order), clip_search=optional_switch(clip_search),
                           sparse24=bool(sparse24),
                           sparsity=sparsity, drop=bool(drop))
     path = level_database(model, calibration, out, config)

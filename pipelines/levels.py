@@ -43,7 +43,7 @@ from pipelines.latency import LatencyTable
 from pipelines.models import architecture_of, decoder_layers, layer_linears
 from pipelines.progress import progress_bar
 from pipelines.stages import (
-    begin_stage, calibration_record, needed_by, number_list, planned_linears, require_positive, resolve_clip_search,
+    begin_stage, calibration_record, needed_by, number_list, planned_linears, require_positive, resolve_clip_search, resolve_where_it_applies,
 )
 
 LEVELS_FORMAT = "lmpress-levels"
@@ -80,7 +80,7 @@ class LevelsConfig:
     bits: str = "2,3,4,8"  # quantization levels; "" for none
     group_size: str = "64"  # group sizes, each combined with every bit-width (-1: per channel)
     method: str = "gptq"  # gptq | rtn, symmetric grids, from the stored statistics
-    act_order: bool = True
+    act_order: bool | None = None  # GPTQ's column order (None: on for gptq; rtn has no column order, so true is refused)
     clip_search: bool | None = None  # GPTQ's static groups clipped as quantize's are (None: on where it applies)
     damp: float = 0.01
     sparse24: bool = False  # each bits level also as 2:4 sparse + quantized (SparseGPT, jointly)
@@ -113,6 +113,8 @@ class LevelsConfig:
         from compressors.sparsity import parse_pattern
 
         require(self.method in LEVELS_METHODS, f"unknown method '{self.method}'; the level database takes {' or '.join(LEVELS_METHODS)}")
+        self.act_order = resolve_where_it_applies(self.act_order, self.method == "gptq",
+                                                  "--act-order orders GPTQ's columns: use it with --method gptq, or pass --act-order false")
         self.clip_search = resolve_clip_search(self.clip_search, self.method == "gptq" and self.act_order, "--method gptq --act-order true")
         for bits in self.bit_levels:
             for group_size in self.group_sizes:

@@ -225,6 +225,23 @@ def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch)
     assert not leftovers(out)
 
 
+def test_levels_settings_that_do_not_apply_are_refused():
+    """--act-order and --clip-search are GPTQ's: on by default for it, refused for RTN, which
+    would silently ignore them."""
+    from pipelines.levels import LevelsConfig
+
+    config = LevelsConfig(method="gptq")
+    config.validate()
+    assert config.act_order and config.clip_search
+    config = LevelsConfig(method="rtn")
+    config.validate()
+    assert not config.act_order and not config.clip_search
+    with pytest.raises(LmpressError, match="--act-order orders GPTQ's columns: use it with --method gptq"):
+        LevelsConfig(method="rtn", act_order=True).validate()
+    with pytest.raises(LmpressError, match="--clip-search fits GPTQ's static groups"):
+        LevelsConfig(method="gptq", act_order=False, clip_search=True).validate()
+
+
 def test_search_bad_input_fails_cleanly(tmp_path, tiny_setup, real_model_folder):
     from conftest import save_tiny, tiny_config
 
