@@ -206,7 +206,8 @@ def main() -> None:
                     y.fill_(float("nan"))  # a launch that leaves an output unwritten shows as NaN error
                     error = ((_grid_matmul(x, served, y, config).float() - reference).norm() / reference.norm()).item()
                     seconds = gpu_seconds([lambda copy=copy: _grid_matmul(x, copy, y, config) for copy in copies])
-                    row = dict(shape=shape, layout=layout, launch=str(config.all_kwargs()), us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2),
+                    row = dict(shape=shape, layout=layout, launch=str(config.all_kwargs()), stages=config.kwargs["STAGES"], us=round(seconds * 1e6, 2),
+                               speedup=round(fp16 / seconds, 2),
                                rel_error=error, fp16_us=round(fp16 * 1e6, 1), autotuned_us=round(autotuned * 1e6, 1),
                                read_TBps=round(weight.nbytes / seconds / 1e12, 2))
                     rows.append(row)
@@ -238,7 +239,7 @@ def main() -> None:
         for (shape, layout), group in itertools.groupby(sorted(rows, key=lambda r: (r["shape"], r["layout"])), key=lambda r: (r["shape"], r["layout"])):
             group = list(group)
             for pipelined in (False, True):  # the best launch that loads one block at a time, and the best that copies blocks ahead
-                best = min((r for r in group if ("'STAGES': 1," in r["launch"]) != pipelined), key=lambda r: r["us"], default=None)
+                best = min((r for r in group if (r["stages"] > 1) == pipelined), key=lambda r: r["us"], default=None)
                 if best:
                     print(f"{shape} {layout} {'copied ahead' if pipelined else 'one block at a time'}: {best['us']} us = {best['speedup']}x, {best['launch']}")
         return

@@ -208,7 +208,7 @@ def _launch_shapes():
 
     gemv, seen = [], set()
     for config in GEMV_CONFIGS:
-        shape = (str({key: value for key, value in config.kwargs.items() if key != "STAGES"}), config.num_warps)
+        shape = (tuple((key, value) for key, value in config.kwargs.items() if key != "STAGES"), config.num_warps)
         if DEVICE.type == "cuda" or shape not in seen:
             gemv.append(config)
         seen.add(shape)
