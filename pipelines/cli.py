@@ -503,17 +503,25 @@ def _stop_on_sigterm(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _usage_error_line(error: typer.TyperException) -> str:
+    """typer's own refusal as one line in the stages' style: its message, then where help is."""
+    message = " ".join(error.format_message().split())
+    message += "" if message.endswith((".", "?", "!")) else "."
+    context = getattr(error, "ctx", None)
+    return f"{message} See '{context.command_path} --help'." if context is not None else message
+
+
 def main() -> None:
     """Entry point: user errors and interrupts become one line on stderr, never a traceback."""
     interrupted = 130  # typer turns Ctrl-C into this exit code
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False, prog_name="lmpress")  # also when run as `python -m pipelines.cli`
     except LmpressError as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(2)
-    except typer.TyperException as error:  # a bad or missing option: usage and one line, exit 2
-        error.show()
+    except typer.TyperException as error:  # a bad, missing or unknown option or command
+        sys.stderr.write(f"error: {_usage_error_line(error)}\n")
         sys.exit(error.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         code = interrupted

@@ -28,19 +28,16 @@ def assert_user_error(result, pattern: str, out: Path | None = None):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["draft", "--out", "x"], "Error: Missing option '--target'."),
-    (["quantize", "--out"], "Error: Option '--out' requires an argument."),
-    (["quantize", "--out", "x", "--bits", "four"], "Error: Invalid value for '--bits'"),
-    (["quantize", "--out", "x", "--act-order", "maybe"], "Error: Invalid value for '--act-order'"),
-    (["quantise", "--out", "x"], "Error: No such command 'quantise'."),
+    (["draft", "--out", "x"], "Missing option '--target'. See 'lmpress draft --help'."),
+    (["quantize", "--out"], "Option '--out' requires an argument."),
+    (["quantize", "--out", "x", "--bits", "four"], "Invalid value for '--bits'"),
+    (["quantize", "--out", "x", "--act-order", "maybe"], "Invalid value for '--act-order'"),
+    (["quantise", "--out", "x"], "No such command 'quantise'. Did you mean 'quantize'? See 'lmpress --help'."),
 ])
-def test_usage_mistakes_print_usage_and_one_error_line(tmp_path, args, message):
-    """Options typer itself refuses (missing, unparsable, unknown) get its usage line and one
-    error line with exit 2, like the stages' own checks: never a traceback, nothing written."""
-    result = run_cli(*args, cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
-    assert "for help." in result.stderr or "requires an argument" in message
+def test_usage_mistakes_print_one_error_line(tmp_path, args, message):
+    """Options typer itself refuses (missing, unparsable, unknown) get one line with exit 2,
+    like the stages' own checks: never a traceback or a usage block, nothing written."""
+    assert_user_error(run_cli(*args, cwd=tmp_path), message)
     assert list(tmp_path.iterdir()) == []
 
 
