@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -357,6 +358,26 @@ def _load_with_layer_widths(folder: Path, config, dtype: torch.dtype) -> nn.Modu
     return model
 
 
+class _OnceFilter(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix, self.seen = prefix, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(self.prefix):
+            return True
+        seen, self.seen = self.seen, True
+        return not seen
+
+
+def _say_once(logger: str, prefix: str) -> None:
+    """Let a library's per-call warning through once per process. bitsandbytes' int8 matmul
+    warns on every call that fp32 inputs go to fp16 (1,680 lines for 8 generated tokens here)."""
+    target = logging.getLogger(logger)
+    if not any(isinstance(f, _OnceFilter) and f.prefix == prefix for f in target.filters):
+        target.addFilter(_OnceFilter(prefix))
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -381,6 +402,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         model = _load_with_layer_widths(folder, config, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    if (getattr(config, "quantization_config", None) or {}).get("quant_method") == "bitsandbytes":
+        _say_once("bitsandbytes.autograd._functions", "MatMul8bitLt: inputs will be cast")
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and hasattr(quantizer, "compressor"):
         # compressed-tensors: decompress now, exactly as stock transformers does on the first

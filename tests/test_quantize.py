@@ -260,7 +260,7 @@ def test_per_layer_overrides_and_skips_reach_the_artifact(tmp_path, tiny_folder)
 
 
 @pytest.mark.parametrize("method", ["nf4", "int8"])
-def test_bitsandbytes_baselines_reload(tmp_path, tiny_folder, method):
+def test_bitsandbytes_baselines_reload(tmp_path, tiny_folder, method, caplog):
     from transformers import AutoModelForCausalLM
 
     from pipelines.models import load_model
@@ -278,8 +278,11 @@ def test_bitsandbytes_baselines_reload(tmp_path, tiny_folder, method):
     assert logical_parameters(model) == logical_parameters(load_model(str(tiny_folder)).model)
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # skipped
     assert type(model.model.layers[1].self_attn.q_proj).__name__ in ("Linear4bit", "Linear8bitLt")
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level("WARNING"):
         model(torch.randint(0, 49152, (1, 8)))
+        model(torch.randint(0, 49152, (1, 8)))
+    # int8 warns on each matmul that fp32 inputs are cast to fp16: said once per process at most
+    assert sum("MatMul8bitLt" in record.getMessage() for record in caplog.records) <= 1
     AutoModelForCausalLM.from_pretrained(out)
 
 
