@@ -128,6 +128,7 @@ def test_prune_stage_writes_dense_and_compressed_forms(tmp_path, tiny_folder, ti
         torch.testing.assert_close(served(ids).logits, expected, rtol=2e-3, atol=2e-3 * expected.abs().max().item())
     validation = json.loads((out / "compressed" / "validation.json").read_text())  # no kernel serves fp16 2:4: it says so
     assert validation["passed"] and validation["gpu_validated"] is False and validation["max_rel_error"] is None
+    assert validation["checked"].startswith("no kernel") and validation["kernels"] == {}
     assert validation["layers"] and all(e["kernel"] is None and "2:4 fp16" in e["note"] for e in validation["layers"].values())
     assert json.loads((out / "lineage.json").read_text())["chain"][-1]["stage"] == "prune"
 
