@@ -165,7 +165,8 @@ def validate(folder: Path, out: Path | None = None) -> dict:
             report == (folder / VALIDATION_FILE).resolve() or folder.resolve() not in report.parents,
             f"--out {out} would overwrite a file of the artifact; leave --out out (the report goes to {folder / VALIDATION_FILE}) or write it outside",
         )
-    require(folder.is_dir(), f"{folder} is not a folder; pass a quantized or pruned artifact such as artifacts/quantized")
+    for ok, problem in ((folder.is_dir(), "is not a folder"), ((folder / "config.json").is_file(), "has no config.json, so holds no model")):
+        require(ok, f"{folder} {problem}; pass a quantized or pruned artifact such as artifacts/quantized")
     check_weight_files(folder)
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.float16 if gpu else torch.float32

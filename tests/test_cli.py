@@ -183,6 +183,9 @@ def test_evaluate_generate_and_validate_refuse_bad_paths_and_values(tmp_path):
     assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", tmp_path / "ref", "--windows", "2", "--seq-len", "100000"),
                       "1 windows of 100000, fewer than the 2 needed; pass a smaller --windows or --seq-len, or more text")
     assert_user_error(run_cli("validate", REAL_MODEL, "--out", tmp_path), f"output path {tmp_path} is a directory")
+    assert_user_error(run_cli("validate", model_copy.parent / "nope"), "is not a folder; pass a quantized or pruned artifact")
+    (tmp_path / "stats").mkdir()  # e.g. a calibration artifact: no model in it
+    assert_user_error(run_cli("validate", tmp_path / "stats"), "stats has no config.json, so holds no model; pass a quantized or pruned artifact")
     assert_user_error(run_cli("generate", REAL_MODEL, "Hi", "--max-new-tokens", "100000"),
                       "the prompt's 1 tokens and --max-new-tokens 100000 exceed the model's context of 8192 tokens; pass --max-new-tokens 8191 or less")
     assert list(tmp_path.glob(".*partial*")) == []
