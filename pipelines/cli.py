@@ -40,7 +40,7 @@ MODEL_HELP = "Model: a local Hugging Face folder, a hub id (org/name, when onlin
 RECOVERY_STEPS = typer.Option(0, "--recovery-steps", help="Distill from the parent for this many batches of calibration tokens (0: off).")
 RECOVERY_LR = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation.")
 RECOVERY_BATCH_SIZE = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step.")
-SEQUENTIAL_BATCH_SIZE = typer.Option(4, "--batch-size", help="Calibration windows per forward pass of the sequential mode (more: a higher memory peak).")
+SEQUENTIAL_BATCH_SIZE = typer.Option(2, "--batch-size", help="Calibration windows per forward pass of the sequential mode (more: a higher memory peak).")
 
 
 @app.command()

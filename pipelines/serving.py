@@ -205,12 +205,11 @@ def validate(folder: Path, out: Path | None = None) -> dict:
                 )
         layers[name] = entry
     checked = [entry for entry in layers.values() if entry.get("kernel")]
+    scope = f"all {len(layers)} packed linears" if gpu else f"{len(layers)} linears, one per distinct shape/bits/group"
     if not checked:
-        scope = f"no kernel: torch serves all {len(layers)} packed linears from a dense copy"
-    elif gpu:
-        scope = f"all {len(layers)} packed linears"
-    else:
-        scope = f"{len(layers)} linears, one per distinct shape/bits/group, its first {INTERPRETED_ROWS} rows"
+        scope = f"no kernel serves {scope} (torch runs them from a dense copy)"
+    elif not gpu:
+        scope += f", its first {INTERPRETED_ROWS} rows"
     report = {
         "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
         "gpu_validated": gpu and bool(checked),  # true only where a kernel ran on the GPU
