@@ -320,6 +320,11 @@ def _kernels_section(facts: ArtifactFacts) -> list[str]:
     report = facts.validation
     if report is None:
         return ["## Kernels", "", "No packed weights: the model runs with standard dense layers.", ""] if not facts.quantization else []
+    if not report["kernels"]:  # e.g. 2:4 with fp16 values: validate checked the layout, but nothing ran a kernel
+        return [
+            "## Kernels", "",
+            f"`lmpress validate` on **{report['device']}**: {report['checked']}. There is no kernel to check or time, so no speed claim.", "",
+        ]
     lines = [
         "## Kernels and their validation", "",
         f"`lmpress validate` ran each kernel on this model's own tensors against its torch reference at batch 1, 16 and 64: "

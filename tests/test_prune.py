@@ -104,6 +104,7 @@ def test_prune_stage_writes_dense_and_compressed_forms(tmp_path, tiny_folder, ti
     from transformers import AutoModelForCausalLM
 
     from compressors.kernels import PackedLinear
+    from pipelines.publish import model_card, read_facts
     from pipelines.serving import load_for_serving
 
     out = tmp_path / "pruned"
@@ -131,6 +132,9 @@ def test_prune_stage_writes_dense_and_compressed_forms(tmp_path, tiny_folder, ti
     assert validation["checked"].startswith("no kernel") and validation["kernels"] == {}
     assert validation["layers"] and all(e["kernel"] is None and "2:4 fp16" in e["note"] for e in validation["layers"].values())
     assert json.loads((out / "lineage.json").read_text())["chain"][-1]["stage"] == "prune"
+    card = model_card(read_facts(out / "compressed"), "tester/tiny-24")  # the card claims no kernel check that never ran
+    kernels = card.split("## Kernels", 1)[1].split("\n## ", 1)[0]
+    assert "no kernel serves" in kernels and "no speed claim" in kernels and "ran each kernel" not in kernels and "| kernel |" not in kernels
 
 
 def test_prune_sparsegpt_with_int4_serves_the_quantized_24_form(tmp_path, tiny_folder, tiny_calibration):
