@@ -144,7 +144,13 @@ CASES = [
     ("grid GEMM codebook 4-bit", "_grid_gemm_kernel", dict(GRID, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMV int3", "_grid_gemv_kernel", dict(GRID, BITS=3, BLOCK_N=8, WORDS=128)),
     ("grid GEMV int3 asymmetric", "_grid_gemv_kernel", dict(GRID, BITS=3, HAS_ZERO=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMV int3 PTX decode", "_grid_gemv_kernel", dict(GRID, BITS=3, PTX=True, BLOCK_N=8, WORDS=128)),
+    ("grid GEMV int3 asymmetric PTX decode interleaved whole blocks", "_grid_gemv_kernel",
+     dict(GRID, BITS=3, HAS_ZERO=True, PTX=True, INTERLEAVED=True, EVEN=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMM int3", "_grid_gemm_kernel", dict(GRID, BITS=3, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMM int3 PTX decode", "_grid_gemm_kernel", dict(GRID, BITS=3, PTX=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
+    ("grid GEMM int3 asymmetric PTX decode interleaved whole blocks", "_grid_gemm_kernel",
+     dict(GRID, BITS=3, HAS_ZERO=True, PTX=True, INTERLEAVED=True, EVEN=True, BLOCK_M=64, BLOCK_N=64, WORDS=16)),
     ("grid GEMV codebook 3-bit", "_grid_gemv_kernel", dict(GRID, BITS=3, CODEBOOK=True, BLOCK_N=8, WORDS=128)),
     ("grid GEMM codebook 3-bit", "_grid_gemm_kernel", dict(GRID, BITS=3, CODEBOOK=True, BLOCK_M=16, BLOCK_N=64, WORDS=16)),
     ("grid GEMV 2:4 int4", "_grid_gemv_kernel", dict(GRID, SPARSE24=True, BLOCK_N=8, WORDS=128)),
@@ -255,7 +261,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="an earlier compressors/packed_int.py to count side by side")
     parser.add_argument("--gemv-layouts", action="store_true", help="the int4 GEMV's loop at each launch shape, unit order and interleaved")
     parser.add_argument("--gemm-layouts", action="store_true", help="the same for the int4 GEMM")
-    parser.add_argument("--bits", type=int, default=4, help="with --gemv-layouts / --gemm-layouts: 4 or 8")
+    parser.add_argument("--bits", type=int, default=4, help="with --gemv-layouts / --gemm-layouts: 3, 4 or 8")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_sass")
     args = parser.parse_args()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -835,34 +836,101 @@ HALF2_DECODE8 = """
 """  # the word $1 -> (code - 128) as half2 h0 (codes 0, 2), h1 (codes 1, 3)
 
 
-def _half2_decode_ptx(bits: int, zero: bool) -> str:
-    codes = 32 // bits
+def _prmt(dest: str, a: str, b: str, picks: list[tuple[int, int]]) -> str:
+    """prmt: byte i of dest is byte picks[i][1] of a (picks[i][0] = 0) or of b (1)."""
+    selector = sum((4 * source + byte) << (4 * i) for i, (source, byte) in enumerate(picks))
+    return f"    prmt.b32 {dest}, {a}, {b}, {selector:#06x};\n"
+
+
+def _half2_decode3(words: list[str]) -> str:
+    """3 bits: a unit's 32 codes run through its 3 words (code j at bit 3 j of the 96; codes 10
+    and 21 straddle words), so no shift of one word reaches them all. But codes j and j + 16 lie
+    48 bits apart: a prmt that puts run bytes {b, b + 1} in the low half of x_b and {b + 6, b + 7}
+    in the high half places both at the same bit k = 3 j - 8 b of their halves, and with
+    b = floor(3 j / 8) every k is at most 7, inside the fp16 mantissa. Then, as for 4 bits, lop3
+    under 0x6400 makes 1024 + 2^k code per half and one fma by 2^-k minus 2^(10-k) + 4 leaves
+    code - 4, exactly: half2 h_j holds codes j and j + 16 (8 prmts, two where the four bytes
+    span three words, and 16 lop3 and 16 fma for 32 codes). Registers y, x0-x5, m0-m7, c0-c7."""
+    lines = []
+    for b in range(6):
+        run = [b, b + 1, min(b + 6, 11), min(b + 7, 11)]  # byte 12 is past the run: a filler whose bits no code uses
+        low, far = run[0] // 4, [r for r in run if r // 4 != run[0] // 4]
+        if len({r // 4 for r in far}) <= 1:
+            high = far[0] // 4 if far else low
+            lines.append(_prmt(f"x{b}", words[low], words[high], [(int(r // 4 != low), r % 4) for r in run]))
+        else:  # three words: the bytes past the first word gathered into y first
+            near = far[0] // 4
+            lines.append(_prmt("y", words[near], words[near + 1], [(int(r // 4 != near), r % 4) for r in far]))
+            lines.append(_prmt(f"x{b}", words[low], "y", [(0, r % 4) if r // 4 == low else (1, far.index(r)) for r in run]))
+    half = lambda value: struct.unpack("<H", struct.pack("<e", value))[0] * 0x10001  # noqa: E731  (fp16 bits, in both halves)
+    for k in range(8):
+        lines.append(f"    mov.b32 m{k}, {half(2.0 ** -k):#010x};\n    mov.b32 c{k}, {half(-(2.0 ** (10 - k) + 4)):#010x};\n")
+    for j in range(16):
+        b, k = divmod(3 * j, 8)
+        lines.append(f"    lop3.b32 h{j}, x{b}, {(7 << k) * 0x10001:#010x}, 0x64006400, 0xea;\n    fma.rn.f16x2 h{j}, h{j}, m{k}, c{k};\n")
+    return "".join(lines)
+
+
+def _half2_decode_ptx(bits: int, zero: bool, scaled: bool = True) -> str:
+    """scaled=False: code - 2^(bits - 1) itself (the scale operand unread), for the GEMV."""
+    codes = 32 if bits == 3 else 32 // bits
     pairs = codes // 2  # pair i holds codes i and i + pairs
-    decode = {4: HALF2_DECODE4, 8: HALF2_DECODE8}[bits].replace("$1", f"${codes + 2}")
+    if bits == 3:  # inputs: scale, zero point, the unit's three words
+        decode = _half2_decode3([f"${codes + 2 + i}" for i in range(3)])
+    else:
+        decode = {4: HALF2_DECODE4, 8: HALF2_DECODE8}[bits].replace("$1", f"${codes + 2}")
     unzero = f"    mov.b32 z, {{${codes + 1}, ${codes + 1}}};\n" + "".join(f"    sub.f16x2 h{i}, h{i}, z;\n" for i in range(pairs))
-    return ("{\n    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, s, z;\n" + f"    mov.b32 s, {{${codes}, ${codes}}};" + decode
+    own = ["y", *(f"x{b}" for b in range(6)), *(f"m{k}" for k in range(8)), *(f"c{k}" for k in range(8))] if bits == 3 else ["t", "c1", "c2", "c3"]
+    registers = ", ".join([f"h{i}" for i in range(max(pairs, 4))] + ["s", "z"] + own)
+    return ("{\n    .reg .b32 " + registers + ";\n" + f"    mov.b32 s, {{${codes}, ${codes}}};\n" + decode
             + (unzero if zero else "")
-            + "".join(f"    mul.rn.f16x2 h{i}, h{i}, s;\n    mov.b32 {{${i}, ${i + pairs}}}, h{i};\n" for i in range(pairs)) + "}")
+            + "".join((f"    mul.rn.f16x2 h{i}, h{i}, s;\n" if scaled else "") + f"    mov.b32 {{${i}, ${i + pairs}}}, h{i};\n" for i in range(pairs)) + "}")
 
 
 _DECODE4_PTX = tl.constexpr(_half2_decode_ptx(4, zero=False))
 _DECODE4_ZERO_PTX = tl.constexpr(_half2_decode_ptx(4, zero=True))
 _DECODE8_PTX = tl.constexpr(_half2_decode_ptx(8, zero=False))
 _DECODE8_ZERO_PTX = tl.constexpr(_half2_decode_ptx(8, zero=True))
+_DECODE3_PTX = tl.constexpr(_half2_decode_ptx(3, zero=False))
+_DECODE3_ZERO_PTX = tl.constexpr(_half2_decode_ptx(3, zero=True))
+_CENTERED3_PTX = tl.constexpr(_half2_decode_ptx(3, zero=False, scaled=False))
 
 
 @triton.jit
-def _fp16_tile(codes, word, scale, offset, HALF2: tl.constexpr, HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
+def _in_code_order32(c, rows: tl.constexpr, units: tl.constexpr):
+    """The 32 decoded codes c[j] [rows, units] of each 3-bit unit as a tile [rows, units, 32] in
+    code order. Each join adds a new last axis, so in the reshape the first join's axis is the
+    slowest and the last join's the fastest: the first joins pair codes 16 apart (one half2 of
+    the decode each), the last pairs neighbours, and [.., a, b, d, e, f] holds code
+    16 a + 8 b + 4 d + 2 e + f."""
+    p0, p1, p2, p3 = tl.join(c[0], c[16]), tl.join(c[1], c[17]), tl.join(c[2], c[18]), tl.join(c[3], c[19])
+    p4, p5, p6, p7 = tl.join(c[4], c[20]), tl.join(c[5], c[21]), tl.join(c[6], c[22]), tl.join(c[7], c[23])
+    p8, p9, p10, p11 = tl.join(c[8], c[24]), tl.join(c[9], c[25]), tl.join(c[10], c[26]), tl.join(c[11], c[27])
+    p12, p13, p14, p15 = tl.join(c[12], c[28]), tl.join(c[13], c[29]), tl.join(c[14], c[30]), tl.join(c[15], c[31])
+    q0, q1, q2, q3 = tl.join(p0, p8), tl.join(p1, p9), tl.join(p2, p10), tl.join(p3, p11)
+    q4, q5, q6, q7 = tl.join(p4, p12), tl.join(p5, p13), tl.join(p6, p14), tl.join(p7, p15)
+    r0, r1, r2, r3 = tl.join(q0, q4), tl.join(q1, q5), tl.join(q2, q6), tl.join(q3, q7)
+    return tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (rows, units, 32))
+
+
+@triton.jit
+def _fp16_tile(codes, word, second, third, scale, offset, HALF2: tl.constexpr, HAS_ZERO: tl.constexpr, BITS: tl.constexpr):
     """The decoded tile [BLOCK_N, UNITS, CODES] in fp16, (code - offset) * scale with the
     unsigned codes [BLOCK_N, UNITS, CODES] and scale / offset per unit: code - offset is exact
-    in fp16 and the product rounds once, as the fp32 product cast to fp16 did. HALF2 (4- or
-    8-bit words, on a GPU): decoded from the words in PTX (`_half2_decode_ptx`), the same values."""
+    in fp16 and the product rounds once, as the fp32 product cast to fp16 did. HALF2 (3-, 4- or
+    8-bit grids, on a GPU): decoded from the unit's words (word, second, third: `_unit_words`) in
+    PTX (`_half2_decode_ptx`), the same values."""
     scale = scale.to(tl.float16)
     if HALF2:
         rows: tl.constexpr = word.shape[0]
         units: tl.constexpr = word.shape[1]
         zero = (offset - (1 << (BITS - 1))).to(tl.float16)
-        if BITS == 4:
+        if BITS == 3:
+            c = tl.inline_asm_elementwise(
+                _DECODE3_ZERO_PTX if HAS_ZERO else _DECODE3_PTX, "=h," * 32 + "h,h,r,r,r", [scale, zero, word, second, third],
+                dtype=(tl.float16,) * 32, is_pure=True, pack=1)
+            tile = _in_code_order32(c, rows, units)
+        elif BITS == 4:
             c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
                 _DECODE4_ZERO_PTX if HAS_ZERO else _DECODE4_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,h,h,r", [scale, zero, word],
                 dtype=(tl.float16,) * 8, is_pure=True, pack=1)
@@ -876,6 +944,67 @@ def _fp16_tile(codes, word, scale, offset, HALF2: tl.constexpr, HAS_ZERO: tl.con
     else:
         tile = (_exact_codes(codes, True) - offset.to(tl.float16)[:, :, None]) * scale[:, :, None]
     return tile
+
+
+@triton.jit
+def _split_code_order32(x):
+    """x [UNITS, 32], code order in each unit, as 32 tensors [UNITS], x_j for code j: the
+    inverse of `_in_code_order32` (each split takes the last, fastest axis: first neighbours,
+    last the codes 16 apart)."""
+    units: tl.constexpr = x.shape[0]
+    s0, s1 = tl.split(tl.reshape(x, (units, 2, 2, 2, 2, 2)))  # [u, a, b, d, e, f]: code 16 a + 8 b + 4 d + 2 e + f
+    r0, r2 = tl.split(s0)
+    r1, r3 = tl.split(s1)
+    q0, q4 = tl.split(r0)
+    q1, q5 = tl.split(r1)
+    q2, q6 = tl.split(r2)
+    q3, q7 = tl.split(r3)
+    p0, p8 = tl.split(q0)
+    p1, p9 = tl.split(q1)
+    p2, p10 = tl.split(q2)
+    p3, p11 = tl.split(q3)
+    p4, p12 = tl.split(q4)
+    p5, p13 = tl.split(q5)
+    p6, p14 = tl.split(q6)
+    p7, p15 = tl.split(q7)
+    c0, c16 = tl.split(p0)
+    c1, c17 = tl.split(p1)
+    c2, c18 = tl.split(p2)
+    c3, c19 = tl.split(p3)
+    c4, c20 = tl.split(p4)
+    c5, c21 = tl.split(p5)
+    c6, c22 = tl.split(p6)
+    c7, c23 = tl.split(p7)
+    c8, c24 = tl.split(p8)
+    c9, c25 = tl.split(p9)
+    c10, c26 = tl.split(p10)
+    c11, c27 = tl.split(p11)
+    c12, c28 = tl.split(p12)
+    c13, c29 = tl.split(p13)
+    c14, c30 = tl.split(p14)
+    c15, c31 = tl.split(p15)
+    return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+            c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31)
+
+
+@triton.jit
+def _centered_dot3(first, second, third, xs, PTX: tl.constexpr):
+    """sum_j (code_j - 4) x_j over the 32 codes of each 3-bit unit [BLOCK_N, UNITS] (its words
+    first, second, third), xs[j] [UNITS] (fp32). On a GPU the GEMM's PTX decode without the
+    scale (`_CENTERED3_PTX`: code - 4, exact in fp16) replaces a shift, a mask (an OR for the two
+    straddling codes) and two fp32 operations a code by about one instruction a code before the
+    conversion and the fma; under the interpreter the same sum in Triton."""
+    dot = tl.zeros(first.shape, dtype=tl.float32)
+    if PTX:
+        unread = tl.zeros(first.shape, dtype=tl.float16)  # the scale and zero point operands
+        c = tl.inline_asm_elementwise(_CENTERED3_PTX, "=h," * 32 + "h,h,r,r,r", [unread, unread, first, second, third],
+                                      dtype=(tl.float16,) * 32, is_pure=True, pack=1)
+        for j in tl.static_range(32):
+            dot += c[j].to(tl.float32) * xs[j][None, :]
+    else:
+        for j in tl.static_range(32):
+            dot += (_exact_codes(_unit_code(first, second, third, j, 3), False) - 4.0) * xs[j][None, :]
+    return dot
 
 
 @triton.jit
@@ -909,10 +1038,11 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                       EVEN: tl.constexpr, STAGES: tl.constexpr = 1):
     """Batch 1. Grids: per unit, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
     * scale; 4-bit grids: sum_j (code_j - 8) x[k_j] (`_centered_dot4`; PTX: decoded in half2 on
-    a GPU), minus zero * sum_j x[k_j] if asymmetric, times the scale. Codebooks (table_ptr):
+    a GPU), minus zero * sum_j x[k_j] if asymmetric, times the scale; 3-bit grids the same with
+    code_j - 4 (`_centered_dot3`). Codebooks (table_ptr):
     sum_j codebook[code_j] x[k_j]. 2:4 grids: per unit, sum over its dense columns of the kept
     (code - offset) x[k], times the scale. k_j: `_code_columns` (INTERLEAVED: the interleaved
-    layout); 4-bit grids load the block's x in one contiguous run and split it by code, which
+    layout); 3- and 4-bit grids load the block's x in one contiguous run and split it by code, which
     on sm_90 took 1-25% off the unit-order loop against a strided load per code
     (benchmarks/kernel_sass.py --gemv-layouts). Program (i, s) covers rows block i over slice s of K.
     STAGES > 1: the loop's loads are copied STAGES - 1 blocks ahead into shared memory (cp.async;
@@ -961,6 +1091,14 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                 codes_x = _centered_dot4(first, x0, x1, x2, x3, x4, x5, x6, x7, PTX)
                 if HAS_ZERO:  # offset = 8 + zero point: the 8 is in the dot
                     codes_x -= (offset - 8.0) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
+            elif BITS == 3:  # as for 4 bits: the block's x in one run, split by code
+                x = _x_at(x_ptr, u0 * CODES + tl.arange(0, UNITS * CODES), K, EVEN)
+                if INTERLEAVED:
+                    x = tl.permute(tl.reshape(x, (UNITS // 4, CODES // 2, 4, 2)), (0, 2, 3, 1))
+                x = tl.reshape(x, (UNITS, CODES))
+                codes_x = _centered_dot3(first, second, third, _split_code_order32(x), PTX)
+                if HAS_ZERO:  # offset = 4 + zero point: the 4 is in the dot
+                    codes_x -= (offset - 4.0) * tl.sum(x, axis=1)[None, :]
             else:
                 x_sum = tl.zeros((UNITS,), dtype=tl.float32)
                 for j in tl.static_range(CODES):
@@ -1011,7 +1149,7 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
         else:
             scale, offset = _group_scales(table_ptr, zero_ptr, rn, u0, N, stored, stride_tn, stride_zn, GROUP, BITS, HAS_ZERO, UNITS, CODES)
             if x_ptr.dtype.element_ty == tl.float16:  # decode to fp16 directly
-                w = _fp16_tile(codes, first, scale, offset, PTX and (BITS == 4 or BITS == 8) and not SPARSE24, HAS_ZERO, BITS)
+                w = _fp16_tile(codes, first, second, third, scale, offset, PTX and BITS != 2 and not SPARSE24, HAS_ZERO, BITS)
             else:
                 w = (_exact_codes(codes, False) - offset[:, :, None]) * scale[:, :, None]
             if SPARSE24:

@@ -11,6 +11,9 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 from compressors.kernels import KERNELS, PackedLinear, select_kernel, self_check
 from compressors.packed_int import PackedWeight, dequantize_reference, pack_sparse24, unpack_bitmask, dequantize_triton, matmul_reference, matmul_triton
 from compressors.packed_int import random_packed_weight as random_packed
+from compressors.packed_int import _in_code_order32
+import triton  # noqa: E402  (after compressors, which selects Triton's backend)
+import triton.language as tl
 from conftest import run_cli, tiny_model
 
 # The interpreter here; with TRITON_INTERPRET=0 on a CUDA machine the same tests run the
@@ -307,33 +310,57 @@ def test_interleaved_units_hold_a_tensor_core_threads_columns(per_unit):
 
 
 def test_ptx_decodes_compute_what_the_interpreter_runs():
-    """The 4- and 8-bit decodes' inline PTX, which only a GPU runs, emulated instruction by
+    """The 3-, 4- and 8-bit decodes' inline PTX, which only a GPU runs, emulated instruction by
     instruction (tests/ptx_emulator.py) on random words against the Triton arithmetic the
     interpreter runs in its place: the GEMM's fp16 weights (`_fp16_tile`) to the bit, symmetric
-    and with zero points, and the GEMV's sum of (code - 8) x (`_centered_dot4`) within fp32 rounding."""
+    and with zero points, the 3-bit GEMV's code - 4 (`_centered_dot3`), and the 4-bit GEMV's sum
+    of (code - 8) x (`_centered_dot4`) within fp32 rounding."""
     import numpy as np
     from compressors import packed_int
     from ptx_emulator import run
 
     rng = np.random.default_rng(0)
-    decodes = {4: (packed_int._DECODE4_PTX.value, packed_int._DECODE4_ZERO_PTX.value),
+    decodes = {3: (packed_int._DECODE3_PTX.value, packed_int._DECODE3_ZERO_PTX.value),
+               4: (packed_int._DECODE4_PTX.value, packed_int._DECODE4_ZERO_PTX.value),
                8: (packed_int._DECODE8_PTX.value, packed_int._DECODE8_ZERO_PTX.value)}
     for _ in range(200):
-        word = int(rng.integers(0, 1 << 32))
+        unit = [int(w) for w in rng.integers(0, 1 << 32, size=3)]  # 3 bits: a unit is 3 words, codes 10 and 21 straddle
+        word, run_bits = unit[0], unit[0] | unit[1] << 32 | unit[2] << 64
         scale = float(np.float16(rng.uniform(-0.2, 0.2)))
         for bits, (symmetric, asymmetric) in decodes.items():
-            n, middle = 32 // bits, 1 << (bits - 1)
-            codes = [(word >> (bits * j)) & ((1 << bits) - 1) for j in range(n)]
+            n, middle = 32 // bits if bits != 3 else 32, 1 << (bits - 1)
+            codes = [(run_bits >> (bits * j)) & ((1 << bits) - 1) for j in range(n)]
             zero = int(rng.integers(-middle, middle))
+            words = {n + 2 + i: w for i, w in enumerate(unit if bits == 3 else [word])}
             for asm, offset in [(symmetric, middle), (asymmetric, middle + zero)]:
-                got = run(asm, {n: scale, n + 1: float(offset - middle), n + 2: word}, outputs=n)
+                got = run(asm, {n: scale, n + 1: float(offset - middle), **words}, outputs=n)
                 expected = [np.float16(np.float16(c - offset) * np.float16(scale)) for c in codes]
                 assert np.array(got, dtype=np.float16).view(np.uint16).tolist() == np.array(expected).view(np.uint16).tolist(), (bits, hex(word))
+        centered = run(packed_int._CENTERED3_PTX.value, {32: 0.0, 33: 0.0, **{34 + i: w for i, w in enumerate(unit)}}, outputs=32)
+        assert centered == [float(((run_bits >> (3 * j)) & 7) - 4) for j in range(32)], [hex(w) for w in unit]  # the 3-bit GEMV's
         codes = [(word >> (4 * j)) & 15 for j in range(8)]
         x = rng.standard_normal(8).astype(np.float32)
         (dot,) = run(packed_int._DOT4_PTX.value, {1: word, **{2 + j: float(x[j]) for j in range(8)}}, outputs=1)
         terms = [(c - 8) * float(v) for c, v in zip(codes, x)]
         assert abs(dot - sum(terms)) <= 1e-5 * max(1.0, sum(abs(t) for t in terms))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="builds its 32 inputs with Python, which only the interpreter runs")
+def test_3bit_decode_tile_lists_the_codes_in_order():
+    """The GEMM's 3-bit PTX decode returns 32 tensors, c[j] holding code j of each unit (the
+    emulator test above checks that); `_in_code_order32` joins them into the tile, which must
+    hold code j at column j of each unit, as the Triton decode's tile does."""
+    @triton.jit
+    def kernel(out_ptr):
+        rows, units = tl.arange(0, 2)[:, None], tl.arange(0, 4)[None, :]
+        c = tuple((rows * 4 + units) * 100 + j for j in range(32))  # the interpreter runs this as Python
+        tile = _in_code_order32(c, 2, 4)
+        tl.store(out_ptr + tl.arange(0, 2)[:, None, None] * 128 + tl.arange(0, 4)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :], tile)
+
+    out = torch.empty(2, 4, 32, dtype=torch.int32)
+    kernel[(1,)](out)
+    expected = (torch.arange(8).reshape(2, 4, 1) * 100 + torch.arange(32)).to(torch.int32)
+    assert torch.equal(out, expected)
 
 
 def test_interleaving_applies_only_where_a_tile_fits(tmp_path):
