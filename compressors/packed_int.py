@@ -854,9 +854,10 @@ def _half2_decode3(words: list[str]) -> str:
     lines = []
     for b in range(6):
         run = [b, b + 1, min(b + 6, 11), min(b + 7, 11)]  # byte 12 is past the run: a filler whose bits no code uses
-        low, far = run[0] // 4, [r for r in run if r // 4 != run[0] // 4]
-        if len({r // 4 for r in far}) <= 1:
-            high = far[0] // 4 if far else low
+        low = b // 4
+        far = [r for r in run if r // 4 != low]  # never empty: bytes b and b + 6 lie in different words
+        if len({r // 4 for r in far}) == 1:
+            high = far[0] // 4
             lines.append(_prmt(f"x{b}", words[low], words[high], [(int(r // 4 != low), r % 4) for r in run]))
         else:  # three words: the bytes past the first word gathered into y first
             near = far[0] // 4
@@ -873,7 +874,7 @@ def _half2_decode3(words: list[str]) -> str:
 
 def _half2_decode_ptx(bits: int, zero: bool, scaled: bool = True) -> str:
     """scaled=False: code - 2^(bits - 1) itself (the scale operand unread), for the GEMV."""
-    codes = 32 if bits == 3 else 32 // bits
+    codes = unit_codes(bits)
     pairs = codes // 2  # pair i holds codes i and i + pairs
     if bits == 3:  # inputs: scale, zero point, the unit's three words
         decode = _half2_decode3([f"${codes + 2 + i}" for i in range(3)])
@@ -1076,29 +1077,27 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                     x = _x_at(x_ptr, units * (2 * CODES) + d, K, EVEN)
                     code, kept = _sparse24_code(first, keep, d, BITS)
                     codes_x += tl.where(kept, _exact_codes(code, False) - offset, 0.0) * x[None, :]
-            elif BITS == 4:
-                x = _x_at(x_ptr, u0 * CODES + tl.arange(0, UNITS * CODES), K, EVEN)
-                if INTERLEAVED:
-                    x = tl.permute(tl.reshape(x, (UNITS // 4, 4, 4, 2)), (0, 2, 3, 1))
-                x = tl.reshape(x, (UNITS, 2, 2, 2))  # code 4 a + 2 b + c
-                even, odd = tl.split(x)
-                x0, x2 = tl.split(even)
-                x1, x3 = tl.split(odd)
-                x0, x4 = tl.split(x0)
-                x2, x6 = tl.split(x2)
-                x1, x5 = tl.split(x1)
-                x3, x7 = tl.split(x3)
-                codes_x = _centered_dot4(first, x0, x1, x2, x3, x4, x5, x6, x7, PTX)
-                if HAS_ZERO:  # offset = 8 + zero point: the 8 is in the dot
-                    codes_x -= (offset - 8.0) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
-            elif BITS == 3:  # as for 4 bits: the block's x in one run, split by code
+            elif BITS == 4 or BITS == 3:  # the block's x in one contiguous run, split by code
                 x = _x_at(x_ptr, u0 * CODES + tl.arange(0, UNITS * CODES), K, EVEN)
                 if INTERLEAVED:
                     x = tl.permute(tl.reshape(x, (UNITS // 4, CODES // 2, 4, 2)), (0, 2, 3, 1))
-                x = tl.reshape(x, (UNITS, CODES))
-                codes_x = _centered_dot3(first, second, third, _split_code_order32(x), PTX)
-                if HAS_ZERO:  # offset = 4 + zero point: the 4 is in the dot
-                    codes_x -= (offset - 4.0) * tl.sum(x, axis=1)[None, :]
+                if BITS == 4:
+                    x = tl.reshape(x, (UNITS, 2, 2, 2))  # code 4 a + 2 b + c
+                    even, odd = tl.split(x)
+                    x0, x2 = tl.split(even)
+                    x1, x3 = tl.split(odd)
+                    x0, x4 = tl.split(x0)
+                    x2, x6 = tl.split(x2)
+                    x1, x5 = tl.split(x1)
+                    x3, x7 = tl.split(x3)
+                    codes_x = _centered_dot4(first, x0, x1, x2, x3, x4, x5, x6, x7, PTX)
+                    if HAS_ZERO:  # offset = 8 + zero point: the 8 is in the dot
+                        codes_x -= (offset - 8.0) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
+                else:
+                    x = tl.reshape(x, (UNITS, CODES))
+                    codes_x = _centered_dot3(first, second, third, _split_code_order32(x), PTX)
+                    if HAS_ZERO:  # offset = 4 + zero point: the 4 is in the dot
+                        codes_x -= (offset - 4.0) * tl.sum(x, axis=1)[None, :]
             else:
                 x_sum = tl.zeros((UNITS,), dtype=tl.float32)
                 for j in tl.static_range(CODES):
