@@ -68,8 +68,8 @@ def _self_check_weights(device: torch.device) -> list[PackedWeight]:
     """Small weights of each decoding path: 4-bit symmetric (the whole-word kernels), 3-bit
     asymmetric in groups of 40 (the general kernels: codes straddle words and groups), 3-bit
     in groups of 32 and a 3-bit codebook (the whole-unit kernels: 32 codes in 3 words), 2:4
-    sparse with fp16 values (general) or 4-bit values (whole-word), and 4-bit interleaved
-    unless LMPRESS_INTERLEAVE=0."""
+    sparse with fp16 values (general) or 4-bit values (whole-word), and 4- and 3-bit
+    interleaved unless LMPRESS_INTERLEAVE=0."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from compressors.packed_int import pack_sparse24
@@ -89,7 +89,7 @@ def _self_check_weights(device: torch.device) -> list[PackedWeight]:
     weights.append(PackedWeight(values, None, 16, 80, bitmask=bitmask))
     weights.append(PackedWeight(codes(4)[:, :5], scale()[:, :1], 4, 80, bitmask=bitmask))
     if interleave_setting() != "0":  # checked only where it may serve, so that turning it off cannot take the kernel from unit order
-        weights.append(PackedWeight(codes(4, 64), scale(), 4, 64).interleave())
+        weights += [PackedWeight(codes(4, 64), scale(), 4, 64).interleave(), PackedWeight(codes(3, 128), scale(1), 3, 128).interleave()]
     return [weight.to(device) for weight in weights]
 
 
@@ -158,17 +158,18 @@ def interleave_setting() -> str:
 
 def serves_interleaved(weight: PackedWeight) -> bool:
     """Whether CUDA serving repacks `weight` into the interleaved layout (`interleave_order`).
-    By default grids of 4 and 8 bits. Timed on an H100 at 4096x4096, 4096x14336 and 14336x4096
-    (benchmarks/results/kernel_speed_h100.md), their GEMM (batch 16 and 64) ran 1.12-1.52x
-    faster interleaved at 16 of 18 rows, where each thread decodes whole words straight into its
-    tensor-core fragment instead of reordering the tile through shared memory (int8 4096x14336
-    batch 16 even, int4 4096x4096 batch 16 0.83x); their GEMV (batch 1) 0.84-1.18x, 4-bit
-    faster at the two large shapes, 8-bit even. 3-bit grids and codebooks ran as fast or slower
-    interleaved (0.53-1.04x), so they keep unit order, as do 2-bit grids (not timed)."""
+    By default grids of 3, 4 and 8 bits. Timed on an H100 at 4096x4096, 4096x14336 and 14336x4096
+    (benchmarks/results/kernel_speed_h100.md), the 4- and 8-bit GEMM (batch 16 and 64) ran
+    1.12-1.52x faster interleaved at 16 of 18 rows, where each thread decodes whole words straight
+    into its tensor-core fragment instead of reordering the tile through shared memory (int8
+    4096x14336 batch 16 even, int4 4096x4096 batch 16 0.83x), their GEMV (batch 1) 0.84-1.18x;
+    with the half2 3-bit decode (bd5c4c6) the 3-bit GEMM ran 1.07-2.24x faster interleaved and
+    its GEMV 0.99-1.10x. Codebooks ran as fast or slower interleaved (0.53-1.04x), so they keep
+    unit order, as do 2-bit grids (not timed)."""
     setting = interleave_setting()
     if setting == "0" or weight.interleaved or not weight.can_interleave():
         return False
-    return setting == "1" or (weight.codebook is None and weight.bits in (4, 8))
+    return setting == "1" or (weight.codebook is None and weight.bits in (3, 4, 8))
 
 
 def serving_layout(weight: PackedWeight, device: torch.device) -> PackedWeight:

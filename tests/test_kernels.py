@@ -381,26 +381,26 @@ def test_interleaving_applies_only_where_a_tile_fits(tmp_path):
     assert back.interleaved and torch.equal(dequantize_reference(back), dequantize_reference(weight.to("cpu")))
 
 
-def test_serving_layout_interleaves_4_and_8_bit_grids_on_cuda_only(monkeypatch):
-    """CUDA serves 4- and 8-bit grids interleaved (timed faster), 3-bit grids, codebooks and
+def test_serving_layout_interleaves_3_4_and_8_bit_grids_on_cuda_only(monkeypatch):
+    """CUDA serves 3-, 4- and 8-bit grids interleaved (timed faster), 2-bit grids, codebooks and
     2:4 weights in unit order; LMPRESS_INTERLEAVE=0 turns it off, =1 interleaves every weight
     that can be; the CPU serves a dense copy, so it never repacks."""
     from compressors.kernels import serving_layout
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    int4, int8 = random_packed(4, 8, 128, 32, "asymmetric"), random_packed(8, 8, 64, 32)
-    int3, codebook, sparse = random_packed(3, 8, 256, 128), random_packed(4, 8, 128, None, "codebook"), random_packed(4, 8, 64, 32, "2:4 symmetric")
+    int4, int8, int3 = random_packed(4, 8, 128, 32, "asymmetric"), random_packed(8, 8, 64, 32), random_packed(3, 8, 256, 128)
+    int2, codebook, sparse = random_packed(2, 8, 128, 64), random_packed(4, 8, 128, None, "codebook"), random_packed(4, 8, 64, 32, "2:4 symmetric")
     monkeypatch.delenv("LMPRESS_INTERLEAVE", raising=False)
-    for weight in (int4, int8):
+    for weight in (int4, int8, int3):
         served = serving_layout(weight, cuda)
         assert served.interleaved and torch.equal(dequantize_reference(served), dequantize_reference(weight))
         assert serving_layout(served, cuda) is served and serving_layout(weight, cpu) is weight
-    for weight in (int3, codebook, sparse):
+    for weight in (int2, codebook, sparse):
         assert serving_layout(weight, cuda) is weight
     monkeypatch.setenv("LMPRESS_INTERLEAVE", "0")
-    assert serving_layout(int4, cuda) is int4
+    assert serving_layout(int4, cuda) is int4 and serving_layout(int3, cuda) is int3
     monkeypatch.setenv("LMPRESS_INTERLEAVE", "1")
-    assert serving_layout(int3, cuda).interleaved and serving_layout(codebook, cuda).interleaved
+    assert serving_layout(int2, cuda).interleaved and serving_layout(codebook, cuda).interleaved
     assert serving_layout(sparse, cuda) is sparse and serving_layout(int3, cpu) is int3
 
 
