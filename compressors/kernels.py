@@ -201,6 +201,7 @@ class PackedLinear(nn.Module):
         self.interleaved = weight.interleaved
         self._dense: torch.Tensor | None = None
         self._kernels: dict[torch.device, int | None] = {}  # index in KERNELS, chosen once per device (picklable)
+        self._served: PackedWeight | None = None  # the weight its kernel runs, kept so its launch arguments are worked out once
 
     @property
     def weight_packed(self) -> PackedWeight:
@@ -213,7 +214,11 @@ class PackedLinear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self.interleaved, self._dense, self._kernels = False, None, {}  # the artifact's layout: choose kernel and layout again
+        self.interleaved, self._dense, self._kernels, self._served = False, None, {}, None  # the artifact's layout: choose kernel and layout again
+
+    def _apply(self, fn, recurse=True):
+        self._served = None  # .to(), .cuda(), .half() replace the buffers it holds
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -222,14 +227,16 @@ class PackedLinear(nn.Module):
             self._kernels[flat.device] = None if kernel is None else KERNELS.index(kernel)
             if kernel is not None:
                 served = serving_layout(self.weight_packed, flat.device)
-                self.packed, self.interleaved = served.packed, served.interleaved
+                self.packed, self.interleaved, self._served = served.packed, served.interleaved, None
         index = self._kernels[flat.device]
         if index is not None:
-            out = KERNELS[index].run(flat, self.weight_packed)
+            if self._served is None:
+                self._served = self.weight_packed
+            out = KERNELS[index].run(flat, self._served)
         else:
             dtype = torch.float32 if flat.device.type == "cpu" else flat.dtype  # a GPU's copy in the activations' dtype: tensor cores, half the memory
             if self._dense is None or self._dense.device != flat.device or self._dense.dtype != dtype:
                 self._dense = packed_int.dequantize_reference(self.weight_packed).to(dtype)
             out = nn.functional.linear(flat.to(self._dense.dtype), self._dense)
-        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        out = (out if out.dtype == x.dtype else out.to(x.dtype)).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias

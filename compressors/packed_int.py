@@ -16,6 +16,7 @@ mismatch), so asymmetric grids go to lmpress's own format (compressors/lmpress_f
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -348,6 +349,21 @@ class PackedWeight:
             for block in self.packed.split(rows)
         ]
         return replace(self, packed=torch.cat(blocks), interleaved=interleaved)
+
+    @functools.cached_property
+    def _launch(self) -> tuple:
+        """(whether the whole-unit grid kernels take it, tensors, strides, constexpr flags) of
+        `matmul_triton`'s launch, worked out once per weight: a served linear launches once a
+        token, and re-deriving these each call was a third of lmpress' own host time a call
+        (benchmarks/forward_overhead.py). A PackedWeight's tensors are never swapped in place
+        (`replace` and `_map` make a new one), so the cache cannot go stale."""
+        tensors, strides, flags = self._kernel_args()
+        grid = _takes_fast_grid(self)
+        if grid:
+            one_group = self.scale is None or self.scale.shape[1] == 1  # codebooks have none
+            flags = {key: value for key, value in flags.items() if key != "group_size"} | {"GROUP": 0 if one_group else self.group_size,
+                                                                                           "INTERLEAVED": self.interleaved}
+        return grid, tensors, strides, flags
 
     def _kernel_args(self) -> tuple:
         table = self.codebook if self.codebook is not None else self.scale if self.scale is not None else self.packed
@@ -1232,10 +1248,7 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     """The fast grid kernels: GEMV for one row of x, GEMM for more; autotuned, or with the given
     launch shape (one of GEMV_CONFIGS / GEMM_CONFIGS: how tests run each shape the tuner may pick)."""
     M, K = x.shape
-    tensors, strides, flags = weight._kernel_args()
-    one_group = weight.scale is None or weight.scale.shape[1] == 1  # codebooks have none
-    flags = {key: value for key, value in flags.items() if key != "group_size"} | {"GROUP": 0 if one_group else weight.group_size,
-                                                                                   "INTERLEAVED": weight.interleaved}
+    _, tensors, strides, flags = weight._launch
     if config is None:
         kernel, settings = _GEMV if M == 1 else _GEMM
     else:
@@ -1256,14 +1269,15 @@ def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, bloc
     """x [M, K] @ dequantized(weight)^T, fused: the fast grid kernels where they apply, else the
     general tile kernels; a GEMV kernel serves M == 1. tune=False: the grid kernels launch their
     first launch shape instead of the autotuned one (a check of the decode, not a timing)."""
-    check_triton_backend(x.device)
+    if not x.is_cuda:
+        check_triton_backend(x.device)
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)
-    if _takes_fast_grid(weight):
+    grid, tensors, strides, flags = weight._launch
+    if grid:
         return _grid_matmul(x, weight, y, None if tune else (GEMV_CONFIGS if M == 1 else GEMM_CONFIGS)[0])
     assert not weight.interleaved, "the general kernels read codes in column order"
-    tensors, strides, flags = weight._kernel_args()
     if M == 1:
         _gemv_kernel[(triton.cdiv(weight.rows, block_n),)](
             x, *tensors, y, weight.rows, K, *strides, **flags, BLOCK_N=block_n, BLOCK_K=block_k,

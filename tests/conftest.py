@@ -88,6 +88,32 @@ def run_cli(*args, cwd=None, timeout=600, env=None) -> subprocess.CompletedProce
     )
 
 
+def refuse_in_process(*args) -> subprocess.CompletedProcess:
+    """`run_cli` for a command the CLI must refuse, run through the same entry point
+    (`pipelines.cli.main`: the one-line error and exit code) in this process. A fresh
+    interpreter imports torch and transformers for 5-10 s before a stage checks anything, and
+    the bad-input tests run dozens of such commands; here that is paid once per worker. Any
+    exception but the CLI's own exit fails the test, as a traceback would."""
+    import contextlib
+    import io
+    import signal
+
+    from pipelines import cli
+
+    stdout, stderr, argv, on_sigterm = io.StringIO(), io.StringIO(), sys.argv, signal.getsignal(signal.SIGTERM)
+    sys.argv = ["lmpress", *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            cli.main()
+        code = 0
+    except SystemExit as exit:
+        code = exit.code or 0
+    finally:
+        sys.argv = argv
+        signal.signal(signal.SIGTERM, on_sigterm)  # main() installs its own
+    return subprocess.CompletedProcess(sys.argv, code, stdout.getvalue(), stderr.getvalue())
+
+
 def leftovers(out: Path) -> list[Path]:
     """Temporaries a stage left beside its output."""
     return sorted(out.parent.glob(f".{out.name}.*"))

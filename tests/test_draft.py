@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compressors.draft import choose_layers, emitted_vocabulary, trim_lm_head
 from compressors.speculative import speculative_greedy
-from conftest import leftovers, run_cli, save_tiny, tiny_config, tiny_model
+from conftest import leftovers, refuse_in_process, run_cli, save_tiny, tiny_config, tiny_model
 from pipelines.errors import LmpressError
 from pipelines.models import load_model, weights_hash
 from pipelines.serving import load_draft
@@ -197,7 +197,7 @@ def test_draft_bad_input_fails_cleanly(tmp_path, tiny_target, real_model_folder)
     out.mkdir()
     (out / "lineage.json").write_text("{}")  # an earlier lmpress output, which a failing run must leave as it is
     (out / "keep.txt").write_text("a good earlier output")
-    result = run_cli("draft", "--target", folder, "--calibration", calibration, "--layers", "9", "--out", out)
+    result = refuse_in_process("draft", "--target", folder, "--calibration", calibration, "--layers", "9", "--out", out)
     assert result.returncode == 2 and "not fewer than the target's 4 layers" in result.stderr and "Traceback" not in result.stderr
     assert (out / "keep.txt").read_text() == "a good earlier output" and not leftovers(out)
 
@@ -215,7 +215,7 @@ def test_a_draft_is_not_silently_paired_with_a_changed_target(tmp_path, tiny_tar
         load_draft(str(made), load_model(str(target)))
     load_draft(str(made), load_model(str(target)), allow_other_target=True)  # a warning instead
 
-    result = run_cli("evaluate-draft", made, "--target", target, "--prompts", "1", "--new-tokens", "4", "--lookahead", "2")
+    result = refuse_in_process("evaluate-draft", made, "--target", target, "--prompts", "1", "--new-tokens", "4", "--lookahead", "2")
     assert result.returncode == 2 and "re-run `lmpress draft" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     result = run_cli("generate", target, "Hello", "--max-new-tokens", "4", "--draft", made, "--allow-other-target")

@@ -14,7 +14,7 @@ from compressors.packed_int import random_packed_weight as random_packed
 from compressors.packed_int import _in_code_order32
 import triton  # noqa: E402  (after compressors, which selects Triton's backend)
 import triton.language as tl
-from conftest import run_cli, tiny_model
+from conftest import refuse_in_process, run_cli, tiny_model
 
 # The interpreter here; with TRITON_INTERPRET=0 on a CUDA machine the same tests run the
 # compiled kernels (benchmarks/gpu_check.sh).
@@ -154,7 +154,7 @@ def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder
 
 
 def test_validate_refuses_a_dense_model(tiny_folder):
-    result = run_cli("validate", tiny_folder)
+    result = refuse_in_process("validate", tiny_folder)
     assert result.returncode == 2 and "is not a pack-quantized compressed-tensors or lmpress-packed artifact" in result.stderr
 
 

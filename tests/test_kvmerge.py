@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressors.kvmerge import AttentionHeads, AttentionInputStatistics, attention_outputs, balanced_groups, merge_heads
-from conftest import leftovers, run_cli, save_tiny, tiny_config
+from conftest import leftovers, refuse_in_process, run_cli, save_tiny, tiny_config
 from pipelines.errors import LmpressError
 from pipelines.stages import KVMergeConfig, kv_merge
 
@@ -181,7 +181,7 @@ def test_kv_merge_bad_input_fails_cleanly(tmp_path, mha_setup, real_model_folder
         kv_merge(str(folder), None, out, KVMergeConfig(kv_heads=2))
     out.mkdir()
     (out / "keep.txt").write_text("a good earlier output")
-    result = run_cli("kv-merge", "--model", folder, "--kv-heads", "5", "--out", out, "--calibration", calibration)
+    result = refuse_in_process("kv-merge", "--model", folder, "--kv-heads", "5", "--out", out, "--calibration", calibration)
     assert result.returncode == 2 and "does not divide the 8 query heads" in result.stderr and "Traceback" not in result.stderr
     assert (out / "keep.txt").read_text() == "a good earlier output" and not leftovers(out)
 

@@ -9,7 +9,7 @@ import torch
 from compressors.grid import GridSpec
 from compressors.sparsegpt import sparsegpt_prune
 from compressors.sparsity import keep_mask, magnitude_score, parse_pattern, reconstruction_error, refine_mask, wanda_score
-from conftest import leftovers, run_cli
+from conftest import leftovers, refuse_in_process, run_cli
 from pipelines.errors import LmpressError
 
 
@@ -179,7 +179,7 @@ def test_prune_bad_input_fails_cleanly(tmp_path, tiny_folder, tiny_calibration, 
     assert not out.exists() and not leftovers(out)
     # the command line: one line on stderr, exit 2, no traceback
     for extra, message in ((["--sparsity", "0.5", "--pattern", "2:4"], "not both"), (["--sparsity", "1.5"], "sparsity must be in [0, 1)")):
-        result = run_cli("prune", "--model", tiny_folder, "--calibration", tiny_calibration, "--out", out, *extra)
+        result = refuse_in_process("prune", "--model", tiny_folder, "--calibration", tiny_calibration, "--out", out, *extra)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not out.exists() and not leftovers(out)
 

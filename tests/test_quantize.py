@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from compressors.gptq import gptq_quantize, gptq_quantize_together
 from compressors.grid import GridSpec, round_to_nearest
 from compressors.packed_int import unpack_int32
-from conftest import leftovers, run_cli
+from conftest import leftovers, refuse_in_process, run_cli
 from pipelines.errors import LmpressError
 
 
@@ -156,7 +156,7 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     out = tmp_path / "q"
 
     def error(*args):
-        result = run_cli("quantize", "--model", tiny_folder, "--out", out, *args)
+        result = refuse_in_process("quantize", "--model", tiny_folder, "--out", out, *args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert not out.exists() and leftovers(out) == []
         return result.stderr.strip()
@@ -198,7 +198,7 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
 def test_a_quantized_model_is_not_quantized_again(tmp_path, tiny_folder):
     first = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--group-size", "32", "--out", tmp_path / "q")
     assert first.returncode == 0, first.stderr
-    again = run_cli("quantize", "--model", tmp_path / "q", "--method", "rtn", "--group-size", "32", "--out", tmp_path / "qq")
+    again = refuse_in_process("quantize", "--model", tmp_path / "q", "--method", "rtn", "--group-size", "32", "--out", tmp_path / "qq")
     assert again.returncode == 2 and "Traceback" not in again.stderr and "is quantized already" in again.stderr, again.stderr
     assert not (tmp_path / "qq").exists()
 
@@ -218,7 +218,7 @@ def test_quantize_refuses_outputs_that_would_lose_an_input(tmp_path, tiny_folder
         if out.name == "mine":
             out.mkdir()
             (out / "notes.txt").write_text("precious")
-        result = run_cli("quantize", "--model", model, "--method", "rtn", "--group-size", "32", "--out", out)
+        result = refuse_in_process("quantize", "--model", model, "--method", "rtn", "--group-size", "32", "--out", out)
         assert result.returncode == 2 and "Traceback" not in result.stderr and message in result.stderr, result.stderr
     assert {path.name: path.read_bytes() for path in model.iterdir()} == before and blocker.read_text() == "precious"
     assert (tmp_path / "mine" / "notes.txt").read_text() == "precious"

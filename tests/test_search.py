@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from compressors.search import SearchState, Unit, check_budget, evolve, genome_cost, greedy_genome, mutate, start_state, uniform_genome
-from conftest import leftovers, run_cli
+from conftest import leftovers, refuse_in_process, run_cli
 from pipelines.errors import LmpressError
 
 
@@ -247,16 +247,16 @@ def test_search_bad_input_fails_cleanly(tmp_path, tiny_setup, real_model_folder)
 
     model, calibration, levels = tiny_setup
     out = tmp_path / "plan"
-    result = run_cli(*search_args(tiny_setup, out, "--budget-bits", "1.5"))
+    result = refuse_in_process(*search_args(tiny_setup, out, "--budget-bits", "1.5"))
     assert result.returncode != 0 and "no assignment" in result.stderr and "Traceback" not in result.stderr
-    result = run_cli(*search_args(tiny_setup, out, "--budget-bits", "9"))  # above the 8-bit level's 8.5: every linear fits at 8 bits
+    result = refuse_in_process(*search_args(tiny_setup, out, "--budget-bits", "9"))  # above the 8-bit level's 8.5: every linear fits at 8 bits
     assert result.returncode == 2 and "leaves nothing to search: every unit at its least compressed level costs 8.5 per weight" in result.stderr
-    result = run_cli(*search_args(tiny_setup, out, "--budget-bits", "3", "--target-sparsity", "0.5"))
+    result = refuse_in_process(*search_args(tiny_setup, out, "--budget-bits", "3", "--target-sparsity", "0.5"))
     assert result.returncode != 0 and "exactly one budget" in result.stderr
     config = tiny_config("llama")
     config.num_hidden_layers = 2  # another model: its own weights
     other = save_tiny(tmp_path / "other", config, real_model_folder, tmp_path / "other-calib")
-    result = run_cli("search", "--model", other, "--levels", levels, "--calibration", tmp_path / "other-calib", "--budget-bits", "3", "--out", out)
+    result = refuse_in_process("search", "--model", other, "--levels", levels, "--calibration", tmp_path / "other-calib", "--budget-bits", "3", "--out", out)
     assert result.returncode != 0 and "was built for" in result.stderr and "Traceback" not in result.stderr
     assert not out.exists() and not leftovers(out)
 
@@ -382,15 +382,15 @@ def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup)
         (("--budget-latency", "0.95"), "--budget-latency needs --latency"),
         (("--budget-latency", "0.95", "--latency", tmp_path / "none.json", "--drop", "true"), "does not exist; measure it with `lmpress latency`"),
     ]:
-        result = run_cli(*search_args(tiny_setup, tmp_path / "refused", *extra))
+        result = refuse_in_process(*search_args(tiny_setup, tmp_path / "refused", *extra))
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**table, "base": {**table["base"], "weights_sha256": "0" * 64, "model": "another"}}))
-    result = run_cli(*search_args(tiny_setup, tmp_path / "refused", "--budget-latency", "0.95", "--latency", other, "--drop", "true"))
+    result = refuse_in_process(*search_args(tiny_setup, tmp_path / "refused", "--budget-latency", "0.95", "--latency", other, "--drop", "true"))
     assert result.returncode == 2 and "was measured on another, not this model" in result.stderr
-    result = run_cli("latency", "--model", model, "--levels", levels, "--context", "500", "--out", tmp_path / "long.json")
+    result = refuse_in_process("latency", "--model", model, "--levels", levels, "--context", "500", "--out", tmp_path / "long.json")
     assert result.returncode == 2 and "--context 500 leaves no room" in result.stderr
     (bare / "config.json").write_text((bare / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
-    result = run_cli("latency", "--model", bare, "--levels", levels, "--random-weights", "--out", tmp_path / "long.json")
+    result = refuse_in_process("latency", "--model", bare, "--levels", levels, "--random-weights", "--out", tmp_path / "long.json")
     assert result.returncode == 2 and "is not the architecture level database" in result.stderr
     assert not (tmp_path / "refused").exists() and not (tmp_path / "long.json").exists()

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from compressors.grid import GridSpec, round_to_nearest
 from compressors.packed_int import unpack_int32
 from compressors.squeezellm import squeezellm_quantize
-from conftest import leftovers, run_cli
+from conftest import leftovers, refuse_in_process, run_cli
 from pipelines.errors import LmpressError
 
 
@@ -153,7 +153,7 @@ def test_squeezellm_bad_input(tmp_path, tiny_folder, tiny_calibration):
     out = tmp_path / "q"
 
     def error(*args):
-        result = run_cli("quantize", "--model", tiny_folder, "--out", out, "--method", "squeezellm", *args)
+        result = refuse_in_process("quantize", "--model", tiny_folder, "--out", out, "--method", "squeezellm", *args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert not out.exists() and leftovers(out) == []
         return result.stderr.strip()

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressors.structured import prune_heads, prune_mlp
-from conftest import leftovers, run_cli
+from conftest import leftovers, refuse_in_process, run_cli
 from pipelines.errors import LmpressError
 from pipelines.stages import DropLayersConfig, QuantizeConfig, StructuredConfig, drop_layers, prune_structured, quantize
 
@@ -199,7 +199,7 @@ def test_structured_bad_input_fails_cleanly(tmp_path, tiny_setup):
     with pytest.raises(LmpressError, match="stored statistics are the base model's, where mlp.down_proj reads 96 features"):
         quantize(str(narrower), calibration, out, QuantizeConfig(method="gptq", group_size=-1, sequential=False))
     assert not out.exists() and not leftovers(out)
-    result = run_cli("drop-layers", "--model", folder, "--n", "9", "--out", out, "--calibration", calibration)
+    result = refuse_in_process("drop-layers", "--model", folder, "--n", "9", "--out", out, "--calibration", calibration)
     assert result.returncode == 2 and "would drop every layer" in result.stderr and "Traceback" not in result.stderr
     assert not out.exists() and not leftovers(out)
 
