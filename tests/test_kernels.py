@@ -119,6 +119,23 @@ def test_packed_linear_equals_the_dense_layer():
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_packed_linear_keeps_its_launch_arguments_only_while_its_buffers_stay():
+    """A layer on the kernel path keeps one PackedWeight (its launch arguments worked out once);
+    loading another state or moving the buffers must drop it, or the kernel would read the old
+    tensors."""
+    first, second = packed(4, 16, 128, 64, seed=1).interleave(), packed(4, 16, 128, 64, seed=2)  # served interleaved, as CUDA does
+    layer = PackedLinear(first, None)
+    layer._kernels[torch.device(DEVICE)] = 0  # the kernel path, as on a GPU (the CPU otherwise serves a dense copy)
+    x = torch.randn(3, 128, device=DEVICE)
+    assert_matches_reference(layer(x), x, first)
+    layer.load_state_dict(PackedLinear(second, None).state_dict())  # copied in place, in the artifact's layout
+    layer._kernels[torch.device(DEVICE)] = 0
+    assert_matches_reference(layer(x), x, second)
+    layer.to(torch.float64)  # a new scale tensor
+    layer(x)
+    assert layer._served.scale is layer.scale
+
+
 def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder, monkeypatch):
     """The quantize stage bundles the kernel source and a CPU validation report; served with
     PackedLinear layers the model gives the logits of its decompressed dense form."""
