@@ -100,8 +100,9 @@ def refuse_in_process(*args) -> subprocess.CompletedProcess:
 
     from pipelines import cli
 
+    command = ["lmpress", *map(str, args)]
     stdout, stderr, argv, on_sigterm = io.StringIO(), io.StringIO(), sys.argv, signal.getsignal(signal.SIGTERM)
-    sys.argv = ["lmpress", *map(str, args)]
+    sys.argv = command
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             cli.main()
@@ -111,7 +112,7 @@ def refuse_in_process(*args) -> subprocess.CompletedProcess:
     finally:
         sys.argv = argv
         signal.signal(signal.SIGTERM, on_sigterm)  # main() installs its own
-    return subprocess.CompletedProcess(sys.argv, code, stdout.getvalue(), stderr.getvalue())
+    return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
 
 
 def leftovers(out: Path) -> list[Path]:
