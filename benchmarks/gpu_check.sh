@@ -11,6 +11,8 @@
 #             `git show REV:compressors/packed_int.py`) it is timed side by side too;
 #   gemv      benchmarks/gemv_variants.py --production: the int4 GEMV at every launch shape the tuner
 #             may pick, both layouts, at realistic layer shapes (compiled first on $COMPILE_WORKERS)
+#   gluon     benchmarks/gemv_gluon.py: the batch-1 int4 GEMV written in Gluon (no shared memory in its
+#             loop), at each of its launches, beside fp16 and the served GEMV (autotuned, both layouts)
 #   latency   `lmpress latency --random-weights` on the GPU: the table `search --budget-latency`
 #             counts in (its launches compiled first, in parallel: kernel_speed.py --levels),
 #             from a model's config.json and a level database's manifest.json alone
@@ -24,7 +26,7 @@
 # TESTS_K replaces the tests' selection (e.g. "every_tuned and pipelined": the GEMV launches that
 # copy blocks ahead).
 #
-#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [gemv] [latency]      (default: all but gemv)
+#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [gemv] [gluon] [latency]   (default: all but gemv and gluon)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lmpress-gpu}
@@ -73,6 +75,10 @@ fi
 if [[ " $STEPS " == *" gemv "* ]]; then
     python3 benchmarks/gemv_variants.py --production --compile-workers "${COMPILE_WORKERS:-14}" --out "$OUT/gemv" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     grep -E "autotuned .* best launch" "$LOG" | tail -6
+fi
+if [[ " $STEPS " == *" gluon "* ]]; then
+    python3 benchmarks/gemv_gluon.py --compile-workers "${COMPILE_WORKERS:-14}" --out "$OUT/gluon" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
+    grep -E "best (half2|fp32)|Error" "$LOG" | tail -12
 fi
 if [[ " $STEPS " == *" latency "* ]]; then
     if [ -f "$LATENCY/model/config.json" ] && [ -f "$LATENCY/levels/manifest.json" ]; then

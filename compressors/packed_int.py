@@ -1229,8 +1229,12 @@ def k_slices(K: int, meta: dict) -> int:
 
 _grid_gemv = triton.heuristics({"EVEN": _whole_blocks})(_grid_gemv_kernel)
 _grid_gemm = triton.heuristics({"EVEN": _whole_blocks})(_grid_gemm_kernel)
-_GEMV = _tuned(_grid_gemv, GEMV_CONFIGS, key=["N", "K", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED"])
-_GEMM = _tuned(_grid_gemm, GEMM_CONFIGS, key=["N", "K", "M_BUCKET", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED"])
+# What the tuner's pick is kept per: the layer shape and every setting that changes the compiled
+# code (EVEN follows from K). GROUP too: a searched plan serves several group sizes at one layer shape.
+GEMV_KEY = ["N", "K", "GROUP", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED"]
+GEMM_KEY = ["N", "K", "M_BUCKET", "GROUP", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED"]
+_GEMV = _tuned(_grid_gemv, GEMV_CONFIGS, key=GEMV_KEY)
+_GEMM = _tuned(_grid_gemm, GEMM_CONFIGS, key=GEMM_KEY)
 
 
 def _takes_fast_grid(weight: PackedWeight) -> bool:

@@ -73,6 +73,8 @@ def run(asm: str, inputs: dict[int, int | float], outputs: int) -> list[int | fl
             regs[args[0]] = regs[args[1]]
         elif op == "mul.f32":
             regs[args[0]] = float(np.float32(np.float32(regs[args[1]]) * np.float32(regs[args[2]])))
+        elif op == "add.f32":
+            regs[args[0]] = float(np.float32(np.float32(regs[args[1]]) + np.float32(regs[args[2]])))
         elif op == "fma.rn.f32":
             regs[args[0]] = float(np.float32(float(regs[args[1]]) * float(regs[args[2]]) + float(regs[args[3]])))
         else:

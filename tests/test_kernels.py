@@ -362,6 +362,33 @@ def test_ptx_decodes_compute_what_the_interpreter_runs():
         assert abs(dot - sum(terms)) <= 1e-5 * max(1.0, sum(abs(t) for t in terms))
 
 
+def test_gluon_gemv_ptx_computes_the_dot_without_overflow():
+    """benchmarks/gemv_gluon.py's PTX (an experiment awaiting a GPU timing), emulated: x pairs
+    regrouped by prmt to (x_j, x_j+4), a word decoded to (code - 8) / 32 and dotted with them in
+    half2 or in fp32. Half2 stays within fp16 rounding of the exact sum, and finite at
+    |x| = 65504, the largest fp16."""
+    import numpy as np
+    from benchmarks import gemv_gluon
+    from ptx_emulator import _pack, run
+
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        word = int(rng.integers(0, 1 << 32))
+        x = np.float16(rng.choice([1e-3, 1.0, 100.0, 8000.0])) * rng.standard_normal(8).astype(np.float16)
+        if trial == 0:
+            word, x = 0x00000000, np.full(8, 65504, dtype=np.float16)  # every code 0: (0 - 8) / 32 x 65504, four times a half
+        pairs = [_pack(float(x[2 * i]), float(x[2 * i + 1])) for i in range(4)]  # x as int32: (x_2i, x_2i+1)
+        lo, hi = gemv_gluon.PAIR_LO.value, gemv_gluon.PAIR_HI.value
+        q = [run(lo, {1: pairs[0], 2: pairs[2]}, 1)[0], run(hi, {1: pairs[0], 2: pairs[2]}, 1)[0],
+             run(lo, {1: pairs[1], 2: pairs[3]}, 1)[0], run(hi, {1: pairs[1], 2: pairs[3]}, 1)[0]]
+        terms = [(((word >> (4 * j)) & 15) - 8) / 32 * float(x[j]) for j in range(8)]
+        (half2,) = run(gemv_gluon.DOT4_HALF2.value, {1: word, **{2 + j: q[j] for j in range(4)}}, outputs=1)
+        (fp32,) = run(gemv_gluon.DOT4_FP32.value, {1: word, **{2 + j: q[j] for j in range(4)}}, outputs=1)
+        size = sum(abs(t) for t in terms)
+        assert np.isfinite(half2) and abs(half2 - sum(terms)) <= 2e-3 * size, (hex(word), x, half2, sum(terms))
+        assert abs(fp32 - sum(terms)) <= 1e-6 * size
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="builds its 32 inputs with Python, which only the interpreter runs")
 def test_3bit_decode_tile_lists_the_codes_in_order():
     """The GEMM's 3-bit PTX decode returns 32 tensors, c[j] holding code j of each unit (the
@@ -484,6 +511,22 @@ def test_split_k_launches_one_program_a_block_at_most():
     assert k_slices(4096, meta(4, 16, 4)) == 4 and k_slices(576, meta(4, 16, 4)) == 4  # 72 units: 5 blocks of 16
     assert k_slices(576, meta(4, 64, 4)) == 2 and k_slices(576, meta(4, 128, 2)) == 1 and k_slices(200, meta(8, 16, 4)) == 4
     assert k_slices(192, meta(2, 16, 4, sparse=True)) == 1 and k_slices(1312, meta(3, 64, 4)) == 3  # 2:4: 6 words; 3 bits: 41 units, 16 a block
+
+
+def test_tuner_keeps_its_pick_per_setting_that_changes_the_compiled_code():
+    """The autotuner reuses a pick for every launch with the same key, so the key must hold each
+    constexpr the kernel compiles differently for, other than the launch shape it picks and EVEN
+    (which follows from K). A searched plan serves group sizes 64 and 128 at one layer shape."""
+    import inspect
+
+    from compressors.packed_int import GEMM_CONFIGS, GEMM_KEY, GEMV_CONFIGS, GEMV_KEY, _grid_gemm_kernel, _grid_gemv_kernel
+
+    for kernel, configs, key in [(_grid_gemv_kernel, GEMV_CONFIGS, GEMV_KEY), (_grid_gemm_kernel, GEMM_CONFIGS, GEMM_KEY)]:
+        parameters = inspect.signature(kernel.fn).parameters.values()  # the Python function, compiled or interpreted
+        constexprs = {p.name for p in parameters if "constexpr" in str(p.annotation)}
+        picked = set().union(*(config.kwargs for config in configs)) | {"EVEN"}
+        assert constexprs - picked <= set(key), constexprs - picked - set(key)
+        assert {"N", "K"} <= set(key)
 
 
 def test_split_k_is_not_tried_for_bf16_outputs():
