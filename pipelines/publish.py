@@ -316,10 +316,29 @@ def _count(value) -> str:
     return "–" if value is None else f"{value:,}"
 
 
+def _served_form(folder: Path) -> list[str]:
+    """A dense model's kernel lines: none, or, for a pruning artifact, where its packed form is
+    (the folder the prune stage writes beside the dense weights, uploaded with them)."""
+    from pipelines.stages import COMPRESSED_FOLDER
+
+    served = folder / COMPRESSED_FOLDER
+    if not (served / "config.json").is_file():
+        return ["No packed weights: the model runs with standard dense layers.", ""]
+    size = lambda path: sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e6  # noqa: E731
+    lines = [f"These are the dense weights, pruned ones zero, which any loader opens ({size(folder):.0f} MB). `{COMPRESSED_FOLDER}/` holds the "
+             f"same model in lmpress's packed form ({size(served):.0f} MB), which `lmpress generate` and `lmpress evaluate` serve."]
+    if (served / VALIDATION_REPORT).is_file():
+        report = read_json(served / VALIDATION_REPORT, f"re-run the stage that made {folder}")
+        lines[0] += f" `lmpress validate` on it ({report['device']}): {report['checked']}; see `{COMPRESSED_FOLDER}/{VALIDATION_REPORT}`."
+    return [*lines, ""]
+
+
 def _kernels_section(facts: ArtifactFacts) -> list[str]:
     report = facts.validation
+    if report is None and not facts.quantization:
+        return ["## Kernels", "", *_served_form(facts.folder)]
     if report is None:
-        return ["## Kernels", "", "No packed weights: the model runs with standard dense layers.", ""] if not facts.quantization else []
+        return []
     if not report["kernels"]:  # e.g. 2:4 with fp16 values: validate checked the layout, but nothing ran a kernel
         return [
             "## Kernels", "",

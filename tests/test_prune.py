@@ -135,6 +135,8 @@ def test_prune_stage_writes_dense_and_compressed_forms(tmp_path, tiny_folder, ti
     card = model_card(read_facts(out / "compressed"), "tester/tiny-24")  # the card claims no kernel check that never ran
     kernels = card.split("## Kernels", 1)[1].split("\n## ", 1)[0]
     assert "no kernel serves" in kernels and "no speed claim" in kernels and "ran each kernel" not in kernels and "| kernel |" not in kernels
+    dense = model_card(read_facts(out), "tester/tiny-24").split("## Kernels", 1)[1].split("\n## ", 1)[0]  # points to the packed form
+    assert "`compressed/` holds" in dense and "no kernel serves" in dense and "No packed weights" not in dense
 
 
 def test_prune_sparsegpt_with_int4_serves_the_quantized_24_form(tmp_path, tiny_folder, tiny_calibration):
