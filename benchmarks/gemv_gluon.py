@@ -31,6 +31,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -129,15 +130,16 @@ def _rows(column, like):
 @gluon.jit
 def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
                GROUP: gl.constexpr, HALF2: gl.constexpr, ROWS: gl.constexpr, WARPS_N: gl.constexpr, PREFETCH: gl.constexpr,
-               XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0):
-    # a thread: ROWS rows x 4 consecutive words; a warp: 32 threads along the words; warps over rows x words
-    LW: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
+               XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0, VEC: gl.constexpr = 4):
+    # a thread: ROWS rows x VEC consecutive words (4: one 16-byte load a row; 8: two); a warp: 32 threads
+    # along the words; warps over rows x words
+    LW: gl.constexpr = gl.BlockedLayout([ROWS, VEC], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
     # x pairs [units, 4]: a thread's 4 units x 4 pairs, contiguous along the pairs (unit order) or along the units (interleaved)
-    LX: gl.constexpr = gl.BlockedLayout([4, 4], [32, 1], [WARPS // WARPS_N, WARPS_N], [0, 1] if INTERLEAVED else [1, 0])
+    LX: gl.constexpr = gl.BlockedLayout([VEC, 4], [32, 1], [WARPS // WARPS_N, WARPS_N], [0, 1] if INTERLEAVED else [1, 0])
     LR: gl.constexpr = gl.SliceLayout(1, LW)
     LU: gl.constexpr = gl.SliceLayout(0, LW)
     BLOCK_N: gl.constexpr = ROWS * WARPS_N
-    WORDS: gl.constexpr = 4 * 32 * (WARPS // WARPS_N)
+    WORDS: gl.constexpr = VEC * 32 * (WARPS // WARPS_N)
     rn = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LR)
     xq_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     acc = gl.zeros([BLOCK_N, WORDS], gl.float32, LW)
@@ -189,28 +191,43 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
     gl.store(y_ptr + rn, y.to(gl.float16))
 
 
-# (HALF2, ROWS, WARPS_N, PREFETCH, XVEC, WARPS): rows a program = ROWS x WARPS_N, words a block = 128 x WARPS / WARPS_N
-# (128 or 256: 4096 and 14336 inputs are 512 and 1792 words). XVEC needs WARPS_N = WARPS (x's layout then matches).
-LAUNCHES = [
+class Launch(NamedTuple):
+    half2: int  # 1: half2 products; 0: the served fp32 arithmetic
+    rows: int  # a thread's rows
+    warps_n: int  # warps along the rows (the rest along the words)
+    prefetch: int
+    xvec: int  # x in 16-byte loads (needs warps_n == warps: x's layout then matches the words')
+    warps: int
+    vec: int = 4  # a thread's consecutive words
+
+    @property
+    def block_n(self) -> int:
+        return self.rows * self.warps_n
+
+    @property
+    def words(self) -> int:  # a block's words along K: 128 or 256 divide 4096 and 14336 inputs (512 and 1792 words)
+        return self.vec * 32 * self.warps // self.warps_n
+
+    def __str__(self) -> str:
+        return (f"{'half2' if self.half2 else 'fp32'} {self.block_n}x{self.words} ({self.rows} row{'s' if self.rows > 1 else ''} x {self.vec} words "
+                f"a thread), {self.warps} warps" + (", prefetch" if self.prefetch else "") + ("" if self.xvec else ", x by 4-byte loads"))
+
+
+LAUNCHES = [Launch(*shape) for shape in [
     (1, 1, 4, 0, 1, 4), (1, 2, 4, 0, 1, 4), (1, 4, 4, 0, 1, 4), (1, 1, 8, 0, 1, 8), (1, 2, 8, 0, 1, 8), (1, 4, 8, 0, 1, 8),
     (1, 1, 2, 0, 1, 2), (1, 2, 2, 0, 1, 2), (1, 2, 2, 0, 0, 4), (1, 1, 2, 0, 0, 4), (1, 4, 2, 0, 0, 4),
+    (1, 1, 4, 0, 1, 4, 8), (1, 2, 4, 0, 1, 4, 8), (1, 1, 8, 0, 1, 8, 8), (1, 2, 8, 0, 1, 8, 8),
     (1, 2, 4, 1, 1, 4), (1, 1, 4, 1, 1, 4), (1, 2, 8, 1, 1, 8),
-    (0, 1, 4, 0, 1, 4), (0, 2, 4, 0, 1, 4), (0, 4, 4, 0, 1, 4), (0, 1, 8, 0, 1, 8), (0, 2, 8, 0, 1, 8),
-]
+    (0, 1, 4, 0, 1, 4), (0, 2, 4, 0, 1, 4), (0, 4, 4, 0, 1, 4), (0, 1, 8, 0, 1, 8), (0, 2, 8, 0, 1, 8), (0, 1, 4, 0, 1, 4, 8),
+]]
 
 
-def describe(launch) -> str:
-    half2, rows, warps_n, prefetch, xvec, warps = launch
-    return (f"{'half2' if half2 else 'fp32'} {rows * warps_n}x{128 * warps // warps_n} ({rows} row{'s' if rows > 1 else ''} a thread), {warps} warps"
-            + (", prefetch" if prefetch else "") + ("" if xvec else ", x by 4-byte loads"))
-
-
-def run(x, weight, y, launch):
+def run(x, weight, y, launch: Launch):
     """y = x @ weight^T for a weight in either layout (its `interleaved` flag)."""
-    half2, rows, warps_n, prefetch, xvec, warps = launch
-    gemv_gluon[(weight.rows // (rows * warps_n),)](x, weight.packed, weight.scale, y, weight.rows, weight.columns, weight.packed.stride(0),
-                                                   weight.scale.stride(0), GROUP=weight.group_size, HALF2=half2, ROWS=rows, WARPS_N=warps_n,
-                                                   PREFETCH=prefetch, XVEC=xvec, WARPS=warps, INTERLEAVED=int(weight.interleaved), num_warps=warps)
+    gemv_gluon[(weight.rows // launch.block_n,)](x, weight.packed, weight.scale, y, weight.rows, weight.columns, weight.packed.stride(0),
+                                                 weight.scale.stride(0), GROUP=weight.group_size, HALF2=launch.half2, ROWS=launch.rows,
+                                                 WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec, WARPS=launch.warps,
+                                                 INTERLEAVED=int(weight.interleaved), VEC=launch.vec, num_warps=launch.warps)
     return y
 
 
@@ -229,14 +246,14 @@ def sass_counts() -> list[dict]:
     import tempfile
     rows = []
     for launch, interleaved in [(launch, interleaved) for launch in LAUNCHES for interleaved in (0, 1)]:
-        half2, per_thread, warps_n, prefetch, xvec, warps = launch
         signature = {"x_ptr": "*fp16", "packed_ptr": "*i32", "scale_ptr": "*fp16", "y_ptr": "*fp16", "N": "i32", "K": "i32", "stride_pn": "i32",
                      "stride_sn": "i32"}
-        signature.update({name: "constexpr" for name in ("GROUP", "HALF2", "ROWS", "WARPS_N", "PREFETCH", "XVEC", "WARPS", "INTERLEAVED")})
-        constants = dict(GROUP=128, HALF2=half2, ROWS=per_thread, WARPS_N=warps_n, PREFETCH=prefetch, XVEC=xvec, WARPS=warps, INTERLEAVED=interleaved)
+        signature.update({name: "constexpr" for name in ("GROUP", "HALF2", "ROWS", "WARPS_N", "PREFETCH", "XVEC", "WARPS", "INTERLEAVED", "VEC")})
+        constants = dict(GROUP=128, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
+                         WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec)
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
         compiled = triton.compile(GluonASTSource(gemv_gluon, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": warps})
+                                  options={"num_warps": launch.warps})
         with tempfile.TemporaryDirectory() as folder:
             cubin = Path(folder) / "kernel.cubin"
             cubin.write_bytes(compiled.asm["cubin"])
@@ -244,8 +261,8 @@ def sass_counts() -> list[dict]:
             usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
         body = loop_body(text)
         memory = collections.Counter(op for op in body if op.startswith(("LD", "ST", "BAR")))
-        row = dict(launch=describe(launch), layout="interleaved" if interleaved else "unit order", registers=int(re.search(r"REG:(\d+)", usage).group(1)), loop=len(body),
-                   per_word=round(len(body) / (per_thread * 4), 1), memory=dict(memory))
+        row = dict(launch=str(launch), layout="interleaved" if interleaved else "unit order", registers=int(re.search(r"REG:(\d+)", usage).group(1)), loop=len(body),
+                   per_word=round(len(body) / (launch.rows * launch.vec), 1), memory=dict(memory))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -287,8 +304,7 @@ def main() -> None:
         print(f"{shape}: fp16 {fp16 * 1e6:.2f} us; served GEMV autotuned: " +
               ", ".join(f"{layout} {s * 1e6:.2f} us ({fp16 / s:.2f}x)" for layout, s in lmpress.items()), flush=True)
         for launch, layout in [(launch, layout) for launch in LAUNCHES for layout in ("unit order", "interleaved")]:
-            rows_per_program, words = launch[1] * launch[2], 128 * launch[5] // launch[2]
-            if n % rows_per_program or (k // 8) % words:
+            if n % launch.block_n or (k // 8) % launch.words:
                 continue
             stored = served if layout == "interleaved" else weight
             y = torch.full((1, n), float("nan"), device="cuda", dtype=torch.float16)  # rows a launch leaves unwritten show as NaN error
@@ -296,9 +312,9 @@ def main() -> None:
                 error = ((run(x, stored, y, launch).float() - reference).norm() / reference.norm()).item()
                 seconds = weight_seconds(lambda w: run(x, w, torch.empty(1, n, device="cuda", dtype=torch.float16), launch), stored)
             except Exception as failure:  # noqa: BLE001  (an experiment: report and go on)
-                print(f"{shape} {describe(launch)} {layout}: {type(failure).__name__}: {str(failure)[:300]}", flush=True)
+                print(f"{shape} {launch} {layout}: {type(failure).__name__}: {str(failure)[:300]}", flush=True)
                 continue
-            row = dict(shape=shape, launch=describe(launch), layout=layout, us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2), rel_error=error,
+            row = dict(shape=shape, launch=str(launch), layout=layout, us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2), rel_error=error,
                        fp16_us=round(fp16 * 1e6, 2), served_interleaved_us=round(lmpress["interleaved"] * 1e6, 2),
                        served_unit_order_us=round(lmpress["unit order"] * 1e6, 2), read_TBps=round(weight.nbytes / seconds / 1e12, 2))
             rows.append(row)
