@@ -41,7 +41,7 @@ if "--sass" in sys.argv:
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
-from compressors.packed_int import _DOT4_PTX  # noqa: E402  (HALF2=0: the served GEMV's decode, code - 8, and 8 fp32 FMAs)
+from compressors.packed_int import _DOT4_PTX, HALF2_NIBBLES4  # noqa: E402  (_DOT4_PTX, HALF2=0: the served GEMV's decode and 8 fp32 FMAs)
 
 PAIR_LO = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")  # (x_2i, x_2i+1), (x_2i+4, x_2i+5) -> (x_2i, x_2i+4)
 PAIR_HI = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")  # -> (x_2i+1, x_2i+5)
@@ -49,21 +49,12 @@ _DECODE = """
     mov.b32 c1, 0x28002800;
     mov.b32 c2, 0xd008d008;
     mov.b32 c3, 0x18001800;
-    mov.b32 c4, 0xc080c080;
-    shr.u32 t, $1, 8;
-    lop3.b32 h0, $1, 0x000f000f, 0x64006400, 0xea;
-    lop3.b32 h1, $1, 0x00f000f0, 0x64006400, 0xea;
-    lop3.b32 h2, t, 0x000f000f, 0x64006400, 0xea;
-    lop3.b32 h3, t, 0x00f000f0, 0x64006400, 0xea;
-    fma.rn.f16x2 h0, h0, c1, c2;
+    mov.b32 c4, 0xc080c080;""" + HALF2_NIBBLES4 + """    fma.rn.f16x2 h0, h0, c1, c2;
     fma.rn.f16x2 h1, h1, c3, c4;
     fma.rn.f16x2 h2, h2, c1, c2;
     fma.rn.f16x2 h3, h3, c3, c4;
 """  # (1024 + c) / 32 - 32.25 and (1024 + 16 c) / 512 - 2.25: (c - 8) / 32, pairs (c_j, c_j+4) in h_j
-DOT4_HALF2 = gl.constexpr("""{
-    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, c4, a;
-    .reg .b16 lo, hi;
-    .reg .f32 flo, fhi;""" + _DECODE + """
+HALF2_DOT4 = """
     mul.rn.f16x2 a, h0, $2;
     fma.rn.f16x2 a, h1, $3, a;
     fma.rn.f16x2 a, h2, $4, a;
@@ -72,7 +63,11 @@ DOT4_HALF2 = gl.constexpr("""{
     cvt.f32.f16 flo, lo;
     cvt.f32.f16 fhi, hi;
     add.f32 $0, flo, fhi;
-}""")
+"""  # decoded pairs h0..h3 times x pairs $2..$5, summed in half2, the halves added in fp32
+DOT4_HALF2 = gl.constexpr("""{
+    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, c4, a;
+    .reg .b16 lo, hi;
+    .reg .f32 flo, fhi;""" + _DECODE + HALF2_DOT4 + "}")
 @gluon.jit
 def _x_pairs(xq_ptr, units, LU: gl.constexpr, LX: gl.constexpr, XVEC: gl.constexpr, INTERLEAVED: gl.constexpr):
     """x as 4 half2 pairs for each unit of `units` (xq_ptr: x as int32, pairs (x_2i, x_2i+1)). Unit

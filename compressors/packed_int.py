@@ -792,16 +792,17 @@ def _exact_codes(codes, FP16: tl.constexpr):
 # its best launch: 4096x4096 10.8 -> 8.4 us, 4096x14336 25.1 -> 20.6, 14336x4096 24.7 -> 21.9
 # (benchmarks/gemv_variants.py, mode 1). The interpreter, which cannot run PTX, takes
 # `_centered_dot4`, the same sum in Triton.
-HALF2_DECODE4 = """
-    mov.b32 c1, 0x64086408;
-    mov.b32 c2, 0x2c002c00;
-    mov.b32 c3, 0xd480d480;
+HALF2_NIBBLES4 = """
     shr.u32 t, $1, 8;
     lop3.b32 h0, $1, 0x000f000f, 0x64006400, 0xea;
     lop3.b32 h1, $1, 0x00f000f0, 0x64006400, 0xea;
     lop3.b32 h2, t, 0x000f000f, 0x64006400, 0xea;
     lop3.b32 h3, t, 0x00f000f0, 0x64006400, 0xea;
-    sub.f16x2 h0, h0, c1;
+"""  # the word $1's codes under 1024s: h0 = (1024 + code 0, 1024 + code 4), h1 = (1024 + 16 code 1, ...), h2 / h3 of codes 2, 6 / 3, 7
+HALF2_DECODE4 = """
+    mov.b32 c1, 0x64086408;
+    mov.b32 c2, 0x2c002c00;
+    mov.b32 c3, 0xd480d480;""" + HALF2_NIBBLES4 + """    sub.f16x2 h0, h0, c1;
     fma.rn.f16x2 h1, h1, c2, c3;
     sub.f16x2 h2, h2, c1;
     fma.rn.f16x2 h3, h3, c2, c3;
