@@ -231,33 +231,17 @@ def sass_counts() -> list[dict]:
     import collections
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from benchmarks.kernel_sass import loop_body, sass
 
-    from benchmarks.kernel_sass import TOOLS, loop_body
-
-    import subprocess
-    import tempfile
     rows = []
     for launch, interleaved in [(launch, interleaved) for launch in LAUNCHES for interleaved in (0, 1)]:
-        signature = {"x_ptr": "*fp16", "packed_ptr": "*i32", "scale_ptr": "*fp16", "y_ptr": "*fp16", "N": "i32", "K": "i32", "stride_pn": "i32",
-                     "stride_sn": "i32"}
-        signature.update({name: "constexpr" for name in ("GROUP", "HALF2", "ROWS", "WARPS_N", "PREFETCH", "XVEC", "WARPS", "INTERLEAVED", "VEC")})
         constants = dict(GROUP=128, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
                          WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec)
-        attrs = {(i,): [["tt.divisibility", 16]] for i in range(8)}
-        compiled = triton.compile(GluonASTSource(gemv_gluon, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": launch.warps})
-        with tempfile.TemporaryDirectory() as folder:
-            cubin = Path(folder) / "kernel.cubin"
-            cubin.write_bytes(compiled.asm["cubin"])
-            text = subprocess.run([TOOLS / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
-            usage = subprocess.run([TOOLS / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
-        body = loop_body(text)
+        code = sass(gemv_gluon, constants, num_warps=launch.warps, aligned=True, usage=True)
+        body = loop_body(code)
         memory = collections.Counter(op for op in body if op.startswith(("LD", "ST", "BAR")))
-        row = dict(launch=str(launch), layout="interleaved" if interleaved else "unit order", registers=int(re.search(r"REG:(\d+)", usage).group(1)), loop=len(body),
-                   per_word=round(len(body) / (launch.rows * launch.vec), 1), memory=dict(memory))
+        row = dict(launch=str(launch), layout="interleaved" if interleaved else "unit order", registers=int(re.search(r"REG:(\d+)", code).group(1)),
+                   loop=len(body), per_word=round(len(body) / (launch.rows * launch.vec), 1), memory=dict(memory))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

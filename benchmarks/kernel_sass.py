@@ -33,6 +33,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
 
 from benchmarks.kernel_speed import load_kernels  # noqa: E402
 from compressors import packed_int  # noqa: E402
@@ -60,7 +61,8 @@ def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, nu
             signature[name] = "i32"
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource  # benchmarks/gemv_gluon.py's kernel is Gluon
+    compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.TemporaryDirectory() as folder:
         cubin, ptx = Path(folder) / "kernel.cubin", Path(folder) / "kernel.ptx"

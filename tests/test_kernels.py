@@ -366,8 +366,8 @@ def test_gluon_gemv_ptx_computes_the_dot_without_overflow():
     """benchmarks/gemv_gluon.py's half2 PTX (an experiment awaiting a GPU timing), emulated: x
     pairs regrouped by prmt to (x_j, x_j+4), a word decoded to (code - 8) / 32 and dotted with
     them in half2. It stays within fp16 rounding of the exact sum, and finite at |x| = 65504, the
-    largest fp16. (Its fp32 variant runs the served `_DOT4_PTX`, tested above.) And its x
-    addressing in the interleaved layout, where no regrouping is needed."""
+    largest fp16. (Its fp32 variant runs the served `_DOT4_PTX`, tested above.) And the relation
+    its interleaved x addressing (`_x_pairs`) is built on, checked against `interleave_order`."""
     import numpy as np
     from benchmarks import gemv_gluon
     from compressors import packed_int
