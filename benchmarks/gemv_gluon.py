@@ -2,6 +2,7 @@
 
     python benchmarks/gemv_gluon.py [--shapes 4096x4096,...] [--out DIR]   # on a CUDA GPU
     python benchmarks/gemv_gluon.py --sass                                 # here: sm_90 loop counts
+    python benchmarks/gemv_gluon.py --emulate [--launches 0,5,...]         # here: each launch's sm_90 PTX run on the CPU
 
 An experiment for issue 3's batch-1 goal (over 3x fp16), not a serving path: int4, symmetric,
 group 128, both layouts (unit order, and the interleaved one CUDA serves), shapes that divide
@@ -35,7 +36,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-if "--sass" in sys.argv:
+if "--sass" in sys.argv or "--emulate" in sys.argv:  # compile for sm_90, not interpret: set before triton is imported
     os.environ["TRITON_INTERPRET"] = "0"
 
 from triton.experimental import gluon  # noqa: E402
@@ -226,18 +227,25 @@ def run(x, weight, y, launch: Launch):
     return y
 
 
+def compiled(launch: Launch, interleaved: int):
+    """The launch compiled for sm_90 (here, no GPU needed), as on 4096-wide layers (aligned)."""
+    from benchmarks.kernel_sass import compile_for
+
+    constants = dict(GROUP=128, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
+                     WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec)
+    return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True)
+
+
 def sass_counts() -> list[dict]:
     """Each launch compiled for sm_90 here; the loop's instructions per word and its memory traffic."""
     import collections
     import re
 
-    from benchmarks.kernel_sass import loop_body, sass
+    from benchmarks.kernel_sass import disassemble, loop_body
 
     rows = []
     for launch, interleaved in [(launch, interleaved) for launch in LAUNCHES for interleaved in (0, 1)]:
-        constants = dict(GROUP=128, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
-                         WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec)
-        code = sass(gemv_gluon, constants, num_warps=launch.warps, aligned=True, usage=True)
+        code = disassemble(compiled(launch, interleaved), usage=True)
         body = loop_body(code)
         memory = collections.Counter(op for op in body if op.startswith(("LD", "ST", "BAR")))
         row = dict(launch=str(launch), layout="interleaved" if interleaved else "unit order", registers=int(re.search(r"REG:(\d+)", code).group(1)),
@@ -247,16 +255,57 @@ def sass_counts() -> list[dict]:
     return rows
 
 
+def emulated(launches: list[Launch], rows: int = 32, columns: int = 4096) -> list[dict]:
+    """Each launch compiled for sm_90 and its PTX run on the CPU (benchmarks/ptx_emulator.py),
+    both layouts, on a random weight: y's error relative to the torch reference. No interpreter
+    runs Gluon, so this is the only run the kernel gets without a GPU."""
+    import numpy as np
+    import torch
+
+    from benchmarks.ptx_emulator import launch as emulate
+    from compressors.packed_int import matmul_reference, random_packed_weight
+
+    weight = random_packed_weight(4, rows, columns, 128)
+    x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).half()
+    reference = matmul_reference(x, weight).float()[0]
+    results = []
+    for launch, interleaved in [(launch, interleaved) for launch in launches for interleaved in (0, 1)]:
+        stored = weight.interleave() if interleaved else weight
+        y = np.full(rows, np.nan, np.float16)  # rows a launch leaves unwritten show as NaN error
+        emulate(compiled(launch, interleaved).asm["ptx"], (rows // launch.block_n,),
+                [x.numpy(), stored.packed.numpy(), stored.scale.numpy(), y, rows, columns, stored.packed.stride(0), stored.scale.stride(0)])
+        error = ((torch.from_numpy(y).float() - reference).norm() / reference.norm()).item()
+        results.append(dict(launch=str(launch), layout="interleaved" if interleaved else "unit order", rel_error=error))
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096")
     parser.add_argument("--sass", action="store_true")
+    parser.add_argument("--emulate", action="store_true", help="run each launch's sm_90 PTX on the CPU against the reference; exit 1 if one is off")
+    parser.add_argument("--launches", help="with --emulate: indices into LAUNCHES (default: all)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_gluon"))
     parser.add_argument("--compile-workers", type=int, default=0, help="compile the served GEMV's launch shapes first in this many processes")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.sass:
         (args.out / "gemv_gluon_sass.json").write_text(json.dumps(sass_counts(), indent=1))
+        return
+    if args.emulate:
+        from benchmarks.kernel_sass import EMULATED_TOLERANCE
+
+        chosen = [LAUNCHES[int(i)] for i in args.launches.split(",")] if args.launches else LAUNCHES
+        results = emulated(chosen)
+        (args.out / "gemv_gluon_emulated.json").write_text(json.dumps(results, indent=1))
+        off = [r for r in results if not r["rel_error"] <= EMULATED_TOLERANCE["fp16"]]  # NaN is off too
+        for arithmetic in ("half2", "fp32"):
+            errors = [r["rel_error"] for r in results if r["launch"].startswith(arithmetic)]
+            if errors:
+                print(f"{arithmetic}: {len(errors)} compiled kernels emulated, relative error {min(errors):.1e} to {max(errors):.1e}")
+        if off:
+            raise SystemExit(f"{len(off)} launches off the reference (over {EMULATED_TOLERANCE['fp16']}): {off}")
         return
 
     import torch

@@ -2,13 +2,15 @@
 the compiler made of them: machine instructions (SASS) counted by opcode.
 
     python benchmarks/kernel_sass.py [--baseline OLD_packed_int.py]   # counts -> results/kernel_sass.{json,md}
-    python benchmarks/kernel_sass.py --check                          # every kernel path compiles, without ptxas warnings, or exit 1
+    python benchmarks/kernel_sass.py --check                          # every kernel path compiles, without ptxas warnings, and
+                                                                      # each GEMV path's PTX, emulated, matches the reference; or exit 1
     python benchmarks/kernel_sass.py --gemv-layouts                   # the int4 GEMV's loop per launch shape and layout
     python benchmarks/kernel_sass.py --gemm-layouts [--bits 8]        # the same for the GEMM (int8: results/gemm_layouts_sass_int8)
 
 Triton ships ptxas and cuobjdump, so lowering to Hopper machine code needs no GPU. This
 catches what the interpreter cannot (it runs the Python, not the compiler: a kernel can pass
-every interpreted test and still not compile), and it shows how a change moves the
+every interpreted test and still not compile; --check also runs each compiled GEMV in
+benchmarks/ptx_emulator.py), and it shows how a change moves the
 instruction mix (int-to-float conversions, packed fp16 math, atomics) next to an earlier
 version of the kernels. Counts are static (per compiled kernel, the loop body once), not
 timings: speed is measured on a GPU (benchmarks/kernel_speed.py).
@@ -44,12 +46,12 @@ POINTERS = {"x_ptr": "fp16", "y_ptr": "fp16", "out_ptr": "fp16", "packed_ptr": "
             "zero_ptr": "i8", "bitmask_ptr": "u8"}
 
 
-def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, num_warps: int = 4, num_stages: int = 3,
-         aligned: bool = False, usage: bool = False) -> str:
-    """The kernel's machine code for compute capability `arch`, given its constexpr arguments.
-    aligned: every pointer and integer argument divisible by 16, as Triton specializes a launch
-    on 4096-wide layers (for the GEMM, also a batch that is a multiple of 16), so loads may be
-    vectorized as they are in serving. usage: the resource usage (registers) too."""
+def compile_for(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, num_warps: int = 4, num_stages: int = 3,
+                aligned: bool = False):
+    """The kernel compiled for compute capability `arch` (its `.asm`: ptx, cubin), given its
+    constexpr arguments. aligned: every pointer and integer argument divisible by 16, as Triton
+    specializes a launch on 4096-wide layers (for the GEMM, also a batch that is a multiple of
+    16), so loads may be vectorized as they are in serving."""
     signature, attrs = {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         if param.is_constexpr:
@@ -62,8 +64,13 @@ def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, nu
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource  # benchmarks/gemv_gluon.py's kernel is Gluon
-    compiled = triton.compile(source(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton.compile(source(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def disassemble(compiled, arch: int = 90, usage: bool = False) -> str:
+    """A compiled kernel's SASS, ptxas' performance notes and spills, and with `usage` its
+    resource usage (registers)."""
     with tempfile.TemporaryDirectory() as folder:
         cubin, ptx = Path(folder) / "kernel.cubin", Path(folder) / "kernel.ptx"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -79,7 +86,16 @@ def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, nu
         return dump("-sass") + (dump("-res-usage") if usage else "") + "".join(note + "\n" for note in notes)
 
 
+def sass(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, num_warps: int = 4, num_stages: int = 3,
+         aligned: bool = False, usage: bool = False) -> str:
+    """`disassemble` of `compile_for`."""
+    return disassemble(compile_for(kernel, constexprs, activations, arch, num_warps, num_stages, aligned), arch, usage)
+
+
 PTXAS_NOTE = "Potential Performance Loss:"
+# an emulated GEMV's y against the reference, by y's dtype: about 4 roundings of it (y's own, and
+# split-K's adds in y's dtype); a wrong decode, address or reduction is of order 1
+EMULATED_TOLERANCE = {"fp16": 2e-3, "bf16": 1.6e-2, "fp32": 1e-5}
 SPILL_NOTE = "Registers spilled to local memory:"
 
 
@@ -184,16 +200,58 @@ def taken(kernel, constexprs: dict) -> dict:
     return {key: value for key, value in constexprs.items() if key in kernel.arg_names}
 
 
-def compiles(module, name: str, constexprs: dict, activations: str, aligned: bool = False) -> str:
-    """The case's machine code. Keep only the constexprs the kernel takes (an earlier version
-    may lack SPLIT_K or CODEBOOK); empty if the case needs a setting the kernel lacks."""
+def compiles(module, name: str, constexprs: dict, activations: str, aligned: bool = False):
+    """The case compiled (`compile_for`). Keep only the constexprs the kernel takes (an earlier
+    version may lack SPLIT_K or CODEBOOK); None if the case needs a setting the kernel lacks."""
     kernel = getattr(module, name)
     if name.startswith("_grid") and constexprs["BITS"] == 3 and not hasattr(module, "unit_words"):
-        return ""  # grid kernels before 3-bit units took whole codes per word only
+        return None  # grid kernels before 3-bit units took whole codes per word only
     settings = taken(kernel, constexprs)
     if any(constexprs[key] is not NEUTRAL.get(key) for key in constexprs.keys() - settings.keys()):
-        return ""
-    return sass(kernel, settings, activations, aligned=aligned)
+        return None
+    return compile_for(kernel, settings, activations, aligned=aligned)
+
+
+def case_sass(module, name: str, constexprs: dict, activations: str, aligned: bool = False) -> str:
+    """The case's machine code; empty if the kernel lacks one of its settings."""
+    compiled = compiles(module, name, constexprs, activations, aligned)
+    return disassemble(compiled) if compiled is not None else ""
+
+
+def emulated_error(compiled, constexprs: dict, activations: str = "fp16", rows: int = 32) -> float:
+    """A grid GEMV as compiled for sm_90 (`activations`: x's and y's dtype), run on the CPU by
+    benchmarks/ptx_emulator.py on a random weight of the case's kind: y's error relative to
+    the torch reference. K is chosen so the blocks along K are whole exactly where the case says
+    (EVEN), so the masked tail is run where it exists."""
+    import numpy as np
+    import torch
+
+    from benchmarks.ptx_emulator import launch
+    from compressors.packed_int import matmul_reference, random_packed_weight
+
+    kind = "codebook" if constexprs["CODEBOOK"] else "asymmetric" if constexprs["HAS_ZERO"] else "symmetric"
+    group = None if constexprs["GROUP"] == 0 or constexprs["CODEBOOK"] else constexprs["GROUP"] * (2 if constexprs["SPARSE24"] else 1)
+    for columns in (4096, 2304, 4032, 1536):  # multiples of 48, 128 and a 3-bit unit's 32
+        weight = random_packed_weight(constexprs["BITS"], rows, columns, group, ("2:4 " if constexprs["SPARSE24"] else "") + kind)
+        weight = weight.interleave() if constexprs["INTERLEAVED"] else weight
+        blocks, whole = packed_int._k_blocks(columns, constexprs)
+        if whole == constexprs["EVEN"]:
+            break
+    else:
+        raise ValueError(f"no test width makes the blocks along K {'whole' if constexprs['EVEN'] else 'partial'}")
+    flags = weight._launch[3]
+    unused = {"GROUP"} if constexprs["CODEBOOK"] else set()  # a codebook has no scales
+    assert all(flags[key] == constexprs[key] for key in flags.keys() - unused), f"the test weight is not the case's kind: {flags}"
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[activations]
+    as_bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]  # numpy has no bf16
+    x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).to(dtype)
+    y = torch.zeros(rows, dtype=dtype)  # split-K blocks add into it
+    tensors, strides = weight._launch[1], weight._launch[2]
+    y_bits = y.view(as_bits).numpy()  # shares y's memory: the emulator writes back into it
+    launch(compiled.asm["ptx"], (triton.cdiv(rows, constexprs["BLOCK_N"]), min(constexprs["SPLIT_K"], blocks)),
+           [x.view(as_bits).numpy(), *(t.numpy() for t in tensors), y_bits, rows, columns, *strides])
+    reference = matmul_reference(x, weight).float()[0]
+    return ((y.float() - reference).norm() / reference.norm()).item()
 
 
 def wgmma_waits(body: collections.Counter) -> int:
@@ -271,24 +329,36 @@ def main() -> None:
         kernel = "gemv" if args.gemv_layouts else "gemm"
         return layouts(kernel, args.out.with_name(f"{kernel}_layouts_sass" + (f"_int{args.bits}" if args.bits != 4 else "")), args.bits, args.baseline)
     if args.check:
-        failed, spilled = [], []
+        failed, spilled, errors = [], [], []
         for title, name, constexprs in CASES:
             # each kind of activation; fp16 GEMMs also as launched on aligned layers (4096 wide),
             # where ptxas schedules the tensor-core loop differently
             for activations, aligned in [("fp16", False), ("bf16", False), ("fp32", False)] + [("fp16", True)] * ("GEMM" in title):
                 case = f"{title} ({activations}{', aligned' * aligned})"
                 try:
-                    code = compiles(packed_int, name, constexprs, activations, aligned)
+                    compiled = compiles(packed_int, name, constexprs, activations, aligned)
+                    code = disassemble(compiled)
                     failed += [f"{case}: {note}" for note in notes(code)]
                     spilled += [f"{case}: {note}" for note in notes(code, SPILL_NOTE)]
                 except Exception as error:  # noqa: BLE001  (any compiler error is the finding)
                     cause = error.__cause__ or error  # a CompilationError quotes the source; its cause says what failed
                     failed.append(f"{case}: {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}")
+                    continue
+                if name == "_grid_gemv_kernel":  # what the GPU would run, run here
+                    try:
+                        errors.append((activations, emulated_error(compiled, constexprs, activations)))
+                    except Exception as error:  # noqa: BLE001  (a fault or an instruction the emulator lacks is the finding)
+                        failed.append(f"{case}: emulated: {type(error).__name__}: {str(error)[:200]}")
+                        continue
+                    if not errors[-1][1] <= EMULATED_TOLERANCE[activations]:  # NaN fails too
+                        failed.append(f"{case}: emulated y is {errors[-1][1]:.1e} off the reference (over {EMULATED_TOLERANCE[activations]})")
         # spills are reported, not failed: they depend on the launch shape, which the tuner times
         print("\n".join(spilled + failed) or "no register spills at these launch shapes")
         if not failed:
             print(f"all {len(CASES)} kernel paths compile for sm_90 with fp16, bf16 and fp32 activations "
-                  "(GEMMs aligned too), with no performance warning from ptxas")
+                  "(GEMMs aligned too), with no performance warning from ptxas; their GEMVs' PTX, emulated, is within " +
+                  ", ".join(f"{max(e for kind, e in errors if kind == activations):.1e} ({activations}, {sum(kind == activations for kind, _ in errors)} paths)"
+                            for activations in EMULATED_TOLERANCE) + " of the reference")
         raise SystemExit(1 if failed else 0)
 
     versions = {"new": packed_int}
@@ -297,7 +367,7 @@ def main() -> None:
     watched = ["I2F", "I2FP", "F2F", "F2FP", "FFMA", "FADD", "HADD2", "HFMA2", "HMUL2", "LOP3", "SHF", "PRMT", "LDG", "HGMMA", "REDG", "ATOMG"]
     rows = []
     for title, name, constexprs in CASES:
-        counts = {version: opcodes(compiles(module, name, constexprs, "fp16")) for version, module in versions.items()}
+        counts = {version: opcodes(case_sass(module, name, constexprs, "fp16")) for version, module in versions.items()}
         row = {"kernel": title, "weights_per_thread": weights_per_thread(constexprs)}
         for version, ops in counts.items():
             if ops:

@@ -328,13 +328,13 @@ def test_interleaved_units_hold_a_tensor_core_threads_columns(per_unit):
 
 def test_ptx_decodes_compute_what_the_interpreter_runs():
     """The 3-, 4- and 8-bit decodes' inline PTX, which only a GPU runs, emulated instruction by
-    instruction (tests/ptx_emulator.py) on random words against the Triton arithmetic the
+    instruction (benchmarks/ptx_emulator.py) on random words against the Triton arithmetic the
     interpreter runs in its place: the GEMM's fp16 weights (`_fp16_tile`) to the bit, symmetric
     and with zero points, the 3-bit GEMV's code - 4 (`_centered_dot3`), and the 4-bit GEMV's sum
     of (code - 8) x (`_centered_dot4`) within fp32 rounding."""
     import numpy as np
+    from benchmarks.ptx_emulator import run
     from compressors import packed_int
-    from ptx_emulator import run
 
     rng = np.random.default_rng(0)
     decodes = {3: (packed_int._DECODE3_PTX.value, packed_int._DECODE3_ZERO_PTX.value),
@@ -348,16 +348,16 @@ def test_ptx_decodes_compute_what_the_interpreter_runs():
             n, middle = 32 // bits if bits != 3 else 32, 1 << (bits - 1)
             codes = [(run_bits >> (bits * j)) & ((1 << bits) - 1) for j in range(n)]
             zero = int(rng.integers(-middle, middle))
-            words = {n + 2 + i: w for i, w in enumerate(unit if bits == 3 else [word])}
+            words = unit if bits == 3 else [word]
             for asm, offset in [(symmetric, middle), (asymmetric, middle + zero)]:
-                got = run(asm, {n: scale, n + 1: float(offset - middle), **words}, outputs=n)
+                got = run(asm, "=h," * n + "h,h," + ",".join("r" * len(words)), [scale, float(offset - middle), *words])
                 expected = [np.float16(np.float16(c - offset) * np.float16(scale)) for c in codes]
                 assert np.array(got, dtype=np.float16).view(np.uint16).tolist() == np.array(expected).view(np.uint16).tolist(), (bits, hex(word))
-        centered = run(packed_int._CENTERED3_PTX.value, {32: 0.0, 33: 0.0, **{34 + i: w for i, w in enumerate(unit)}}, outputs=32)
+        centered = run(packed_int._CENTERED3_PTX.value, "=h," * 32 + "h,h,r,r,r", [0.0, 0.0, *unit])
         assert centered == [float(((run_bits >> (3 * j)) & 7) - 4) for j in range(32)], [hex(w) for w in unit]  # the 3-bit GEMV's
         codes = [(word >> (4 * j)) & 15 for j in range(8)]
         x = rng.standard_normal(8).astype(np.float32)
-        (dot,) = run(packed_int._DOT4_PTX.value, {1: word, **{2 + j: float(x[j]) for j in range(8)}}, outputs=1)
+        (dot,) = run(packed_int._DOT4_PTX.value, "=f,r" + ",f" * 8, [word, *(float(v) for v in x)])
         terms = [(c - 8) * float(v) for c, v in zip(codes, x)]
         assert abs(dot - sum(terms)) <= 1e-5 * max(1.0, sum(abs(t) for t in terms))
 
@@ -370,8 +370,8 @@ def test_gluon_gemv_ptx_computes_the_dot_without_overflow():
     its interleaved x addressing (`_x_pairs`) is built on, checked against `interleave_order`."""
     import numpy as np
     from benchmarks import gemv_gluon
+    from benchmarks.ptx_emulator import _pack, run
     from compressors import packed_int
-    from ptx_emulator import _pack, run
 
     rng = np.random.default_rng(0)
     for trial in range(300):
@@ -381,10 +381,9 @@ def test_gluon_gemv_ptx_computes_the_dot_without_overflow():
             word, x = 0x00000000, np.full(8, 65504, dtype=np.float16)  # every code 0: (0 - 8) / 32 x 65504, four times a half
         pairs = [_pack(float(x[2 * i]), float(x[2 * i + 1])) for i in range(4)]  # x as int32: (x_2i, x_2i+1)
         lo, hi = gemv_gluon.PAIR_LO.value, gemv_gluon.PAIR_HI.value
-        q = [run(lo, {1: pairs[0], 2: pairs[2]}, 1)[0], run(hi, {1: pairs[0], 2: pairs[2]}, 1)[0],
-             run(lo, {1: pairs[1], 2: pairs[3]}, 1)[0], run(hi, {1: pairs[1], 2: pairs[3]}, 1)[0]]
+        q = [run(selector, "=r,r,r", [pairs[a], pairs[b]])[0] for a, b in ((0, 2), (1, 3)) for selector in (lo, hi)]
         terms = [(((word >> (4 * j)) & 15) - 8) / 32 * float(x[j]) for j in range(8)]
-        (half2,) = run(gemv_gluon.DOT4_HALF2.value, {1: word, **{2 + j: q[j] for j in range(4)}}, outputs=1)
+        (half2,) = run(gemv_gluon.DOT4_HALF2.value, "=f,r,r,r,r,r", [word, *q])
         size = sum(abs(t) for t in terms)
         assert np.isfinite(half2) and abs(half2 - sum(terms)) <= 2e-3 * size, (hex(word), x, half2, sum(terms))
     # its interleaved layout's x: the decode's pair (code p, code p + 4) of unit u is the int32 x pair
@@ -394,6 +393,92 @@ def test_gluon_gemv_ptx_computes_the_dot_without_overflow():
         for p in range(4):
             pair = 16 * (unit // 4) + 4 * p + unit % 4
             assert (stored[8 * unit + p].item(), stored[8 * unit + p + 4].item()) == (2 * pair, 2 * pair + 1)
+
+
+# a block of 64 threads, each summing `n` floats of x from its own run; each warp's sum, by
+# butterfly shuffles, stored by its lane 0 to out[warp]
+_SUM_PTX = """
+.visible .entry warp_sums(.param .u64 warp_sums_param_0, .param .u64 warp_sums_param_1, .param .u32 warp_sums_param_2)
+.reqntid 64
+{
+    .reg .pred %p<3>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<6>;
+    ld.param.b64 %rd1, [warp_sums_param_0];
+    ld.param.b64 %rd2, [warp_sums_param_1];
+    ld.param.b32 %r1, [warp_sums_param_2];
+    mov.u32 %r2, %tid.x;
+    mov.u32 %r3, %ctaid.x;
+    mad.lo.s32 %r4, %r3, 64, %r2;
+    mul.lo.s32 %r5, %r4, %r1;
+    mul.wide.s32 %rd3, %r5, 4;
+    add.s64 %rd4, %rd1, %rd3;
+    mov.b32 %r6, 0f00000000;
+    mov.b32 %r7, 0;
+$L__loop:
+    ld.global.b32 %r8, [%rd4 + 0];
+    add.f32 %r6, %r6, %r8;
+    add.s64 %rd4, %rd4, 4;
+    add.s32 %r7, %r7, 1;
+    setp.lt.s32 %p1, %r7, %r1;
+    @%p1 bra $L__loop;
+    shfl.sync.bfly.b32 %r9, %r6, 16, 31, -1;
+    add.f32 %r6, %r6, %r9;
+    shfl.sync.bfly.b32 %r9, %r6, 8, 31, -1;
+    add.f32 %r6, %r6, %r9;
+    shfl.sync.bfly.b32 %r9, %r6, 4, 31, -1;
+    add.f32 %r6, %r6, %r9;
+    shfl.sync.bfly.b32 %r9, %r6, 2, 31, -1;
+    add.f32 %r6, %r6, %r9;
+    shfl.sync.bfly.b32 %r9, %r6, 1, 31, -1;
+    add.f32 %r6, %r6, %r9;
+    and.b32 %r10, %r2, 31;
+    setp.eq.s32 %p2, %r10, 0;
+    shr.u32 %r11, %r4, 5;
+    mul.wide.u32 %rd5, %r11, 4;
+    add.s64 %rd5, %rd2, %rd5;
+    @%p2 st.global.b32 [ %rd5 + 0 ], { %r6 };
+    ret;
+}
+"""
+
+
+def test_ptx_emulator_runs_a_kernel_and_faults_where_a_gpu_would():
+    """benchmarks/ptx_emulator.py, which runs the compiled GEMVs on the CPU (the Hopper compile
+    check above; benchmarks/gemv_gluon.py --emulate), on a hand-written kernel: a loop, warp
+    shuffles, a predicated store, two blocks. A read past the data or a misaligned one raises,
+    as it would fault on a GPU; so does a branch its threads take apart, which lockstep cannot run."""
+    import numpy as np
+    from benchmarks.ptx_emulator import launch
+
+    x = np.random.default_rng(0).standard_normal(2 * 64 * 3).astype(np.float32)
+    out = np.zeros(4, np.float32)
+    launch(_SUM_PTX, (2,), [x, out, 3])
+    np.testing.assert_allclose(out, x.reshape(4, 96).sum(axis=1), rtol=1e-5)
+    with pytest.raises(MemoryError, match="outside the arrays"):
+        launch(_SUM_PTX, (2,), [x[:300].copy(), out, 3])
+    with pytest.raises(MemoryError, match="misaligned"):
+        launch(_SUM_PTX.replace("add.s64 %rd4, %rd1, %rd3;", "add.s64 %rd4, %rd1, %rd3;\n    add.s64 %rd4, %rd4, 2;"), (2,), [x, out, 3])
+    with pytest.raises(NotImplementedError, match="divergent"):
+        launch(_SUM_PTX.replace("setp.lt.s32 %p1, %r7, %r1;", "setp.lt.s32 %p1, %r7, %r2;"), (2,), [x, out, 3])
+
+
+def test_gluon_gemv_computes_as_compiled_for_hopper(tmp_path):
+    """benchmarks/gemv_gluon.py's kernel, which no interpreter runs, compiled for sm_90 and its
+    PTX run on the CPU, both layouts, at launches covering each of its code paths (half2 and
+    fp32 arithmetic; 1, 2 and 4 rows and 4 or 8 words a thread; x by 4-byte loads with warps
+    split along K, whose sum crosses warps in shared memory; prefetch): y within fp16 rounding
+    of the reference. (`--emulate` runs all 24 launches.)"""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemv_gluon.py")
+    chosen = "0,2,9,12,17,18,23"
+    result = subprocess.run([sys.executable, script, "--emulate", "--launches", chosen, "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = json.loads((tmp_path / "gemv_gluon_emulated.json").read_text())
+    assert len(rows) == 2 * len(chosen.split(",")) and {r["layout"] for r in rows} == {"unit order", "interleaved"}
+    assert all(r["rel_error"] <= 2e-3 for r in rows), rows
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="builds its 32 inputs with Python, which only the interpreter runs")
@@ -551,7 +636,10 @@ def test_kernels_compile_for_hopper():
     so every decode path is lowered to sm_90 machine code here, with no GPU, and must draw no
     performance warning from ptxas (the GEMM's wgmma serialized, say: C7515, which zeroing the
     accumulator on a path that skips the K loop caused; `_k_slice`). Register spills are
-    listed, not failed: they depend on the launch shape, which the autotuner times."""
+    listed, not failed: they depend on the launch shape, which the autotuner times. Each grid
+    GEMV path's PTX, as compiled, is also run on the CPU (benchmarks/ptx_emulator.py) on a
+    random weight of its kind, for fp16, bf16 and fp32 activations, and must match the reference
+    within rounding of y: the inline PTX in place, the layouts, the masks, split-K's atomics."""
     import subprocess
     import sys
 

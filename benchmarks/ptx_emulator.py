@@ -1,0 +1,475 @@
+"""Runs PTX on the CPU, so what only a GPU would run can be checked here: lmpress's inline-assembly
+decodes (`run`, one thread) and whole kernels as Triton compiles them for sm_90 (`launch`, every
+thread of every block). No GPU simulator or PTX interpreter is installable here (the Triton
+interpreter runs a kernel's Python, never its PTX, and knows nothing of Gluon), so this is
+written by hand, for the instructions Triton's GEMV code uses; anything else raises.
+
+A block's threads run in lockstep, each register a numpy array over them holding bit patterns.
+Lockstep makes `bar.sync` a no-op and lets a branch be taken only when every thread takes it
+(Triton's GEMVs branch uniformly; a divergent branch raises). Instruction semantics follow
+NVIDIA's PTX ISA. Rounding: fp16 results are rounded once from the float64 value (exact for
+fp16 products and sums of nearby magnitude), fp32 fma likewise from float64 (double rounding is
+possible only when the product's low bits straddle a tie: rare, and far inside any tolerance a
+test uses). Global memory is one byte array; a load or store outside it, or not aligned to its
+width, raises, as it would fault on the GPU."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+
+import numpy as np
+
+_WIDTH = {"8": 8, "16": 16, "32": 32, "64": 64, "16x2": 32}
+_SPECIAL = ("%tid.", "%ntid.", "%ctaid.", "%nctaid.", "%laneid", "%warpid")
+
+
+def _half(bits: int) -> float:
+    return float(np.array(bits & 0xFFFF, dtype=np.uint16).view(np.float16))
+
+
+def _pack(low: float, high: float) -> int:
+    """Two fp16 values as a 32-bit word, `low` in bits 0-15."""
+    return int(np.array([low, high], dtype=np.float16).view(np.uint32)[0])
+
+
+def _as(bits: np.ndarray, kind: str) -> np.ndarray:
+    """A register's bit patterns read as PTX type `kind` (u32, s64, f16, f32, ...)."""
+    width = _WIDTH[kind[1:]]
+    unsigned = (bits & np.uint64((1 << width) - 1)).astype({8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[width])
+    if kind[0] == "s":
+        return unsigned.view({8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}[width])
+    if kind[0] == "f":
+        return unsigned.view({16: np.float16, 32: np.float32, 64: np.float64}[width])
+    return unsigned
+
+
+def _bits(values: np.ndarray) -> np.ndarray:
+    """Values of any numpy type as zero-extended bit patterns."""
+    values = np.asarray(values)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[values.dtype.itemsize]
+    return values.view(unsigned).astype(np.uint64) if values.dtype != np.bool_ else values.astype(np.uint64)
+
+
+def _half2(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return _as(bits, "f16").astype(np.float64), _as(bits >> np.uint64(16), "f16").astype(np.float64)
+
+
+def _join_half2(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    return _bits(low.astype(np.float16)) | _bits(high.astype(np.float16)) << np.uint64(16)
+
+
+def _from_bf16(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns as float32 (exact: bf16 is float32's upper half)."""
+    return ((bits & np.uint64(0xFFFF)) << np.uint64(16)).astype(np.uint32).view(np.float32)
+
+
+def _to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest bf16 (ties to even), as bit patterns (numpy has no bf16)."""
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + np.uint64(0x7FFF) + (bits >> np.uint64(16) & np.uint64(1))) >> np.uint64(16)
+    return np.where(np.isnan(values), np.uint64(0x7FC0), rounded & np.uint64(0xFFFF))
+
+
+def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, table: int) -> np.ndarray:
+    """Bit i of the result is bit (a_i b_i c_i) of the table (PTX: F(0xF0, 0xCC, 0xAA) = table)."""
+    ones = np.uint64(0xFFFFFFFF)
+    out = np.zeros_like(a)
+    for minterm in range(8):
+        if table >> minterm & 1:
+            out |= (a if minterm & 4 else ~a & ones) & (b if minterm & 2 else ~b & ones) & (c if minterm & 1 else ~c & ones)
+    return out
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, selector: np.ndarray) -> np.ndarray:
+    """Result byte i: byte (selector nibble i) of b:a (a bytes 0-3, b bytes 4-7); no sign mode."""
+    assert not np.any(selector & np.uint64(0x8888)), "the emulator has no prmt sign replication"
+    source = b << np.uint64(32) | a
+    out = np.zeros_like(a)
+    for i in range(4):
+        chosen = selector >> np.uint64(4 * i) & np.uint64(7)
+        out |= (source >> (chosen * np.uint64(8)) & np.uint64(0xFF)) << np.uint64(8 * i)
+    return out
+
+
+def _split_operands(text: str) -> list[str]:
+    return [part.strip() for part in re.split(r",(?![^{]*})(?![^\[]*\])", text)] if text.strip() else []
+
+
+@functools.lru_cache(maxsize=64)
+def _program(body: str) -> tuple[list[tuple], dict[str, int]]:
+    """PTX statements as (guard, opcode, operands) and the labels' statement indices. Comments,
+    `.loc` and register declarations go; an inline-asm block's braces only scope its register
+    names, which it writes before it reads, so one flat namespace serves."""
+    body = "\n".join(line for line in re.sub(r"//[^\n]*", "", body).splitlines() if not line.strip().startswith((".loc", ".file")))
+    statements, labels = [], {}
+    for raw in body.split(";"):
+        text = raw.strip()
+        while True:  # labels and block braces before the statement
+            match = re.match(r"^(\$?[\w.$]+):\s*|^\{\s*|^\}\s*", text)
+            if not match:
+                break
+            if match.group(1):
+                labels[match.group(1)] = len(statements)
+            text = text[match.end():]
+        text = text.strip()
+        if not text or text.startswith("."):  # declarations
+            continue
+        guard = None
+        if text.startswith("@"):
+            guard, text = text.split(None, 1)
+            guard = (guard[1:].lstrip("!"), guard.startswith("@!"))
+        opcode, _, rest = text.replace("\t", " ").partition(" ")
+        statements.append((guard, opcode, _split_operands(rest)))
+    return statements, labels
+
+
+class Memory:
+    """A memory space (global, or a block's shared): numpy arrays in one byte array at 256-byte aligned addresses."""
+
+    def __init__(self, arrays: list[np.ndarray], base: int = 1 << 20):  # global: no valid pointer is near 0
+        self.base, self.addresses, offset = base, [], 0
+        for array in arrays:
+            self.addresses.append(base + offset)
+            offset += (array.nbytes + 255) // 256 * 256
+        self.bytes = np.zeros(offset, dtype=np.uint8)
+        self.starts = np.array([a - base for a in self.addresses], dtype=np.int64)
+        self.ends = self.starts + np.array([a.nbytes for a in arrays], dtype=np.int64)
+        for address, array in zip(self.addresses, arrays):
+            self.bytes[address - base:address - base + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
+
+    def read_back(self, arrays: list[np.ndarray]) -> None:
+        for address, array in zip(self.addresses, arrays):
+            array.view(np.uint8).ravel()[:] = self.bytes[address - self.base:address - self.base + array.nbytes]
+
+    def _index(self, address: np.ndarray, width: int, vector: int) -> np.ndarray:
+        if np.any(address % np.uint64(width * vector)):
+            raise MemoryError(f"misaligned {width * vector}-byte access at {[hex(a) for a in address[address % np.uint64(width * vector) != 0][:4]]}")
+        # inside one array: a kernel reading past its tensor into the next is wrong even where a GPU would not fault
+        start = address.astype(np.int64) - self.base
+        array = np.searchsorted(self.starts, start, side="right") - 1
+        outside = (array < 0) | (start + width * vector > self.ends[np.maximum(array, 0)])
+        if np.any(outside):
+            raise MemoryError(f"access outside the arrays at {[hex(int(a)) for a in address[outside][:4]]}")
+        return start[:, None] + np.arange(width * vector)
+
+    def load(self, address: np.ndarray, width: int, vector: int) -> list[np.ndarray]:
+        raw = self.bytes[self._index(address, width, vector)]
+        words = raw.reshape(len(address), vector, width).copy().view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
+        return [words[:, i, 0].astype(np.uint64) for i in range(vector)]
+
+    def store(self, address: np.ndarray, values: list[np.ndarray], width: int) -> None:
+        index = self._index(address, width, len(values))
+        dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+        self.bytes[index] = np.stack([v.astype(dtype) for v in values], axis=1).view(np.uint8).reshape(len(address), -1)
+
+
+class Block:
+    """One thread block's threads in lockstep."""
+
+    def __init__(self, threads: int, memory: Memory | None = None, params: dict[str, int] | None = None, block: tuple[int, ...] = (0,),
+                 grid: tuple[int, ...] = (1,), shared_bytes: int = 0):
+        self.threads, self.memory, self.params = threads, memory, params or {}
+        self.regs: dict[str, np.ndarray] = {}
+        lanes = np.arange(threads, dtype=np.uint64)
+        self.special = {"%tid.x": lanes, "%ntid.x": np.full(threads, threads, np.uint64), "%laneid": lanes % np.uint64(32), "%warpid": lanes // np.uint64(32)}
+        for i, axis in enumerate("xyz"):
+            self.special[f"%ctaid.{axis}"] = np.full(threads, block[i] if i < len(block) else 0, np.uint64)
+            self.special[f"%nctaid.{axis}"] = np.full(threads, grid[i] if i < len(grid) else 1, np.uint64)
+            if axis != "x":
+                self.special.update({f"%tid.{axis}": 0 * lanes, f"%ntid.{axis}": 0 * lanes + np.uint64(1)})
+        self.shared = Memory([np.zeros(shared_bytes, dtype=np.uint8)], base=0) if shared_bytes else None  # `global_smem` is 0
+
+    def value(self, token: str) -> np.ndarray:
+        """An operand as bit patterns, one per thread."""
+        token = token.strip()
+        if token in self.regs:
+            return self.regs[token]
+        if token.startswith(_SPECIAL):
+            return self.special[token]
+        if token == "global_smem":
+            return np.zeros(self.threads, np.uint64)
+        if re.fullmatch(r"0[fF][0-9a-fA-F]{8}|0[dD][0-9a-fA-F]{16}", token):
+            return np.full(self.threads, int(token[2:], 16), np.uint64)
+        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)U?", token):
+            return np.full(self.threads, int(token.rstrip("U"), 0) & (1 << 64) - 1, np.uint64)
+        raise KeyError(f"the emulator has no value for {token!r} (a register read before it is written?)")
+
+    def typed(self, token: str, kind: str) -> np.ndarray:
+        return _as(self.value(token), kind)
+
+    def write(self, token: str, bits: np.ndarray, active: np.ndarray | None) -> None:
+        bits = np.asarray(bits, dtype=np.uint64) if np.asarray(bits).dtype != np.bool_ else np.asarray(bits)
+        if active is not None and token in self.regs:
+            bits = np.where(active, bits, self.regs[token])
+        self.regs[token] = bits
+
+    def address(self, operand: str) -> np.ndarray:
+        """`[reg + offset]`, `[reg]` or `[param]` as one address per thread."""
+        inside = operand.strip()[1:-1].replace(" ", "")
+        base, _, offset = inside.partition("+")
+        return (self.value(base) + np.uint64(int(offset, 0) if offset else 0)) & np.uint64((1 << 64) - 1)
+
+    def execute(self, body: str) -> None:
+        statements, labels = _program(body)
+        pc = 0
+        while pc < len(statements):
+            guard, opcode, ops = statements[pc]
+            pc += 1
+            active = None
+            if guard is not None:
+                active = self.regs[guard[0]].astype(bool)
+                active = ~active if guard[1] else active
+            if opcode.startswith("bra"):
+                taken = np.ones(self.threads, bool) if active is None else active
+                if taken.all():
+                    pc = labels[ops[0]]
+                elif taken.any():
+                    raise NotImplementedError("a divergent branch: the emulator runs a block's threads in lockstep")
+                continue
+            if opcode == "ret" or opcode.startswith("exit"):
+                return
+            self.step(opcode, ops, active)
+
+    def step(self, opcode: str, ops: list[str], active: np.ndarray | None) -> None:  # noqa: C901  (one branch per instruction)
+        parts = opcode.split(".")
+        name, kind = parts[0], parts[-1]
+        if name in ("bar", "barrier", "membar", "fence") or opcode in ("cp.async.commit_group", "cp.async.wait_group"):
+            return  # lockstep: every thread is already here, and every copy done (`cp.async` completes at once)
+        threads = np.ones(self.threads, bool) if active is None else active
+        if name == "cp":  # cp.async.cg.shared.global [shared], [global], 16, bytes: copy `bytes`, zero the rest
+            size, copied = int(ops[2], 0), self.value(ops[3]) if len(ops) > 3 else np.full(self.threads, int(ops[2], 0), np.uint64)
+            target, source = self.address(ops[0]), self.address(ops[1])
+            for thread in np.flatnonzero(threads):
+                data = np.zeros(size, np.uint8)
+                if copied[thread]:
+                    data[:copied[thread]] = self.memory.bytes[self.memory._index(source[thread:thread + 1], int(copied[thread]), 1)[0]]
+                self.shared.bytes[self.shared._index(target[thread:thread + 1], size, 1)[0]] = data
+            return
+        if name in ("stmatrix", "ldmatrix"):
+            self.matrix(name == "ldmatrix", parts, ops, active)
+            return
+        if name == "red":  # red.global...add.TYPE [address], value: one thread at a time, each add rounded
+            assert "add" in parts and kind in ("f16", "bf16", "f32"), f"the emulator has no {opcode}"
+            read = _from_bf16 if kind == "bf16" else lambda bits: _as(bits, kind)
+            address, value, width = self.address(ops[0]), read(self.value(ops[1])), _WIDTH[kind[-2:]] // 8
+            for thread in np.flatnonzero(threads):
+                (old,) = self.memory.load(address[thread:thread + 1], width, 1)
+                total = read(old).astype(np.float64) + float(value[thread])
+                self.memory.store(address[thread:thread + 1], [_to_bf16(total.astype(np.float32)) if kind == "bf16" else _bits(total.astype(read(old).dtype))], width)
+            return
+        if name == "mov":
+            if ops[0].startswith("{"):  # unpack into parts
+                targets = [t.strip() for t in ops[0].strip("{}").split(",")]
+                width, source = _WIDTH[kind[1:]] // len(targets), self.value(ops[1])
+                for i, target in enumerate(targets):
+                    self.write(target, source >> np.uint64(width * i) & np.uint64((1 << width) - 1), active)
+            elif ops[1].startswith("{"):  # pack parts
+                sources = [t.strip() for t in ops[1].strip("{}").split(",")]
+                width, out = _WIDTH[kind[1:]] // len(sources), np.zeros(self.threads, np.uint64)
+                for i, source in enumerate(sources):
+                    out |= (self.value(source) & np.uint64((1 << width) - 1)) << np.uint64(width * i)
+                self.write(ops[0], out, active)
+            else:
+                self.write(ops[0], self.value(ops[1]) & np.uint64((1 << _WIDTH[kind[1:]]) - 1) if kind != "pred" else self.value(ops[1]), active)
+            return
+        if name in ("ld", "st"):
+            space = parts[1]
+            vector = int(parts[-2][1:]) if parts[-2].startswith("v") else 1
+            width = _WIDTH[kind[1:]] // 8
+            memory = self.shared if space == "shared" else self.memory
+            if name == "ld" and space == "param":
+                self.write(ops[0], np.full(self.threads, self.params[ops[1].strip("[] ")], np.uint64), active)
+                return
+            if name == "ld":
+                targets = [t.strip() for t in ops[0].strip("{} ").split(",")]
+                address = self.address(ops[1])
+                loaded = [np.zeros(self.threads, np.uint64) for _ in targets]
+                if threads.any():
+                    for whole, part in zip(loaded, memory.load(address[threads], width, vector)):
+                        whole[threads] = part
+                for target, bits in zip(targets, loaded):
+                    self.write(target, bits, active)
+            else:
+                values = [self.value(t) for t in ops[1].strip("{} ").split(",")]
+                if threads.any():
+                    memory.store(self.address(ops[0])[threads], [v[threads] for v in values], width)
+            return
+        if name == "setp":
+            compare, kind = parts[1], parts[2]
+            a, b = self.typed(ops[1], kind), self.typed(ops[2], kind)
+            result = {"eq": a == b, "ne": a != b, "lt": a < b, "le": a <= b, "gt": a > b, "ge": a >= b}[compare]
+            self.write(ops[0], result, active)
+            return
+        if name == "selp":
+            self.write(ops[0], np.where(self.value(ops[3]).astype(bool), self.value(ops[1]), self.value(ops[2])), active)
+            return
+        if name == "shfl":
+            mode, source, operand = parts[2], self.value(ops[1]), int(self.value(ops[2])[0])
+            lane = np.arange(self.threads) % 32
+            partner = {"bfly": lane ^ operand, "idx": np.full(self.threads, operand), "down": lane + operand, "up": lane - operand}[mode]
+            partner = np.where((partner < 0) | (partner > 31), lane, partner)
+            self.write(ops[0], source[np.arange(self.threads) - lane + partner], active)
+            return
+        if name == "cvt":
+            to, source = parts[-2], parts[-1]
+            if to == "f16x2":  # cvt.rn.f16x2.f32 d, a, b: a to the upper half
+                self.write(ops[0], _join_half2(self.typed(ops[2], "f32"), self.typed(ops[1], "f32")), active)
+                return
+            if to in ("bf16", "bf16x2"):  # from f32: rounded to nearest; bf16x2 as f16x2
+                low = _to_bf16(self.typed(ops[-1], "f32"))
+                self.write(ops[0], low | _to_bf16(self.typed(ops[1], "f32")) << np.uint64(16) if to == "bf16x2" else low, active)
+                return
+            value = _from_bf16(self.value(ops[1])) if source == "bf16" else self.typed(ops[1], source)
+            if to[0] == "f":
+                out = value.astype({"f16": np.float16, "f32": np.float32, "f64": np.float64}[to])
+            elif source[0] == "f":
+                out = np.trunc(value) if "rzi" in parts else np.rint(value)
+                out = out.astype({"s": np.int64, "u": np.uint64}[to[0]])
+            else:
+                out = value.astype(np.int64 if source[0] == "s" else np.uint64)
+            self.write(ops[0], _bits(out) & np.uint64((1 << _WIDTH[to[1:]]) - 1), active)
+            return
+        if kind in ("f16x2", "f16") or (name in ("add", "sub", "mul", "fma", "neg", "abs") and kind == "f32"):
+            self.write(ops[0], self.float_math(name, kind, ops), active)
+            return
+        self.write(ops[0], self.integer_math(name, parts, ops), active)
+
+    def matrix(self, load: bool, parts: list[str], ops: list[str], active: np.ndarray | None) -> None:
+        """ldmatrix / stmatrix of 8x8 b16 matrices: a thread's word i is row t // 4, columns
+        2 (t % 4) and + 1 of matrix i, whose rows threads 8 i .. 8 i + 7 address; .trans: the
+        matrix is transposed in memory (that word's two halves are rows 2 (t % 4), + 1 at column t // 4)."""
+        assert parts[3] == "m8n8" and parts[-1] == "b16" and active is None, f"the emulator has no {'.'.join(parts)}"
+        registers, where = (ops[0], ops[1]) if load else (ops[1], ops[0])
+        registers, rows = [t.strip() for t in registers.strip("{} ").split(",")], self.address(where)
+        lane = np.arange(self.threads) % 32
+        warp = np.arange(self.threads) - lane
+        for i, register in enumerate(registers):
+            if "trans" in parts:
+                halves = [rows[warp + 8 * i + lane % 4 * 2 + h] + (lane // 4).astype(np.uint64) * np.uint64(2) for h in range(2)]
+                if load:
+                    low, high = (self.shared.load(address, 2, 1)[0] for address in halves)
+                    self.write(register, low | high << np.uint64(16), None)
+                else:
+                    for h, address in enumerate(halves):
+                        self.shared.store(address, [self.value(register) >> np.uint64(16 * h) & np.uint64(0xFFFF)], 2)
+            else:
+                address = rows[warp + 8 * i + lane // 4] + (lane % 4 * 4).astype(np.uint64)
+                if load:
+                    self.write(register, self.shared.load(address, 4, 1)[0], None)
+                else:
+                    self.shared.store(address, [self.value(register)], 4)
+
+    def float_math(self, name: str, kind: str, ops: list[str]) -> np.ndarray:
+        combine = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "fma": lambda a, b, c: a * b + c,
+                   "max": np.maximum, "min": np.minimum, "neg": np.negative, "abs": np.abs}[name]
+        if kind == "f16x2":
+            halves = [_half2(self.value(t)) for t in ops[1:]]
+            return _join_half2(combine(*(h[0] for h in halves)), combine(*(h[1] for h in halves)))
+        inputs = [self.typed(t, kind).astype(np.float64) for t in ops[1:]]
+        return _bits(combine(*inputs).astype(np.float16 if kind == "f16" else np.float32))
+
+    def integer_math(self, name: str, parts: list[str], ops: list[str]) -> np.ndarray:
+        kind = parts[-1]
+        if kind == "pred":
+            a = self.value(ops[1]).astype(bool)
+            return ~a if name == "not" else {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}[name](a, self.value(ops[2]).astype(bool))
+        width = _WIDTH[kind[1:]]
+        mask = np.uint64((1 << width) - 1) if width < 64 else np.uint64((1 << 64) - 1)
+        if name in ("mul", "mad") and parts[1] == "wide":  # 32 x 32 -> 64 bits
+            signed = "s" if kind[0] == "s" else "u"
+            product = self.typed(ops[1], kind).astype(np.int64 if signed == "s" else np.uint64) * self.typed(ops[2], kind).astype(np.int64 if signed == "s" else np.uint64)
+            product = _bits(product)
+            return product + self.value(ops[3]) if name == "mad" else product
+        if name in ("mul", "mad") and parts[1] == "hi":  # the high half of the double-width product
+            wide = self.typed(ops[1], kind).astype(np.int64 if kind[0] == "s" else np.uint64) * self.typed(ops[2], kind).astype(np.int64 if kind[0] == "s" else np.uint64)
+            high = _bits(wide >> (np.int64 if kind[0] == "s" else np.uint64)(width)) & mask
+            return (high + self.value(ops[3])) & mask if name == "mad" else high
+        if name == "shf":  # funnel shift of b:a by c (wrap: c mod 32; clamp: at most 32); l: the high word, r: the low
+            amount = self.value(ops[3]) & np.uint64(31) if parts[2] == "wrap" else np.minimum(self.value(ops[3]), np.uint64(32))
+            joined = (self.value(ops[2]) & mask) << np.uint64(32) | (self.value(ops[1]) & mask)
+            return (joined << amount >> np.uint64(32) if parts[1] == "l" else joined >> amount) & mask
+        if name == "lop3":
+            return _lop3(*(self.value(t) & mask for t in ops[1:4]), int(ops[4], 0))
+        if name == "prmt":
+            return _prmt(self.value(ops[1]) & mask, self.value(ops[2]) & mask, self.value(ops[3]) & mask)
+        if name == "bfe":  # bits position .. position + length - 1; .s: sign-extended from the last of them
+            position, length = self.value(ops[2]) & np.uint64(0xFF), self.value(ops[3]) & np.uint64(0xFF)
+            field = ((self.value(ops[1]) & mask) >> np.minimum(position, np.uint64(width - 1))) & ((np.uint64(1) << length) - np.uint64(1))
+            if kind[0] == "s":
+                top = np.minimum(position + length, np.uint64(width)) - np.uint64(1)  # the field's last bit, or the word's sign
+                sign = (self.value(ops[1]) >> top) & np.uint64(1)
+                kept = np.minimum(top - position + np.uint64(1), length)
+                field = np.where(sign == 1, field | (mask & ~((np.uint64(1) << kept) - np.uint64(1))), field)
+            return np.where(length == 0, np.uint64(0), field) & mask
+        if name in ("shl", "shr"):
+            amount = np.minimum(self.value(ops[2]) & np.uint64(0xFFFFFFFF), np.uint64(width))
+            within = np.minimum(amount, np.uint64(width - 1))
+            if name == "shl":
+                return np.where(amount >= width, np.uint64(0), self.value(ops[1]) << within) & mask
+            if kind[0] == "s":  # arithmetic: the sign fills in
+                return _bits(self.typed(ops[1], kind).astype(np.int64) >> within.astype(np.int64)) & mask
+            return np.where(amount >= width, np.uint64(0), (self.value(ops[1]) & mask) >> within)
+        if name in ("and", "or", "xor", "not"):
+            a = self.value(ops[1])
+            return (~a if name == "not" else {"and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}[name](a, self.value(ops[2]))) & mask
+        if name in ("div", "rem"):  # integer: truncates toward zero, as C
+            a, b = self.typed(ops[1], kind).astype(np.int64), self.typed(ops[2], kind).astype(np.int64)
+            quotient = np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))
+            return _bits(quotient if name == "div" else a - quotient * b) & mask
+        if name in ("min", "max"):
+            return _bits((np.minimum if name == "min" else np.maximum)(self.typed(ops[1], kind), self.typed(ops[2], kind))) & mask
+        if name not in ("add", "sub", "mul", "mad", "neg"):
+            raise NotImplementedError(f"the emulator has no {'.'.join(parts)}")
+        a, b = self.value(ops[1]), self.value(ops[2]) if len(ops) > 2 else None
+        if name == "add":
+            return (a + b) & mask
+        if name == "sub":
+            return (a - b) & mask
+        if name == "mul" and parts[1] == "lo":
+            return (a * b) & mask
+        if name == "mad" and parts[1] == "lo":
+            return (a * b + self.value(ops[3])) & mask
+        if name == "neg":
+            return (~a + np.uint64(1)) & mask
+        raise NotImplementedError(f"the emulator has no {'.'.join(parts)}")
+
+
+def run(asm: str, constraints: str, inputs: list[int | float]) -> list[int | float]:
+    """One thread through an inline-assembly snippet, as `inline_asm_elementwise(asm, constraints,
+    inputs)` runs it: constraints `=h`/`=r`/`=f` name the outputs $0.., then `h` (fp16, given as
+    a float), `r` (32-bit word, an int) or `f` (fp32 float) the inputs. Returns the outputs as
+    floats (h, f) or ints (r)."""
+    kinds = constraints.split(",")
+    outputs = [k[1:] for k in kinds if k.startswith("=")]
+    block = Block(1)
+    for i, (kind, value) in enumerate(zip(kinds[len(outputs):], inputs)):
+        dtype = {"h": np.float16, "f": np.float32, "r": np.uint32, "l": np.uint64}[kind]
+        block.regs[f"${len(outputs) + i}"] = _bits(np.array([value if kind in "hf" else int(value) & 0xFFFFFFFFFFFFFFFF], dtype=dtype))
+    body = asm.strip()
+    block.execute(body[1:-1] if body.startswith("{") and body.endswith("}") else body)
+    reader = {"h": lambda b: float(_as(b, "f16")[0]), "f": lambda b: float(_as(b, "f32")[0]), "r": lambda b: int(_as(b, "u32")[0])}
+    return [reader[kind](block.regs[f"${i}"]) for i, kind in enumerate(outputs)]
+
+
+def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int]) -> None:
+    """A compiled kernel's every block (`grid`: blocks along x, y, z), one after another, on `args` (numpy arrays for its
+    pointers, written back in place; ints for its integers) in its parameter order. Parameters
+    past `args` (Triton's scratch pointers) are null."""
+    entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", ptx)
+    names = re.findall(r"\.param\s+[^\n]*?(\w+_param_\d+)", entry.group(2))
+    threads = int(re.search(r"\.reqntid\s+(\d+)", ptx).group(1))
+    shared = re.search(r"\.shared\s+\.align\s+\d+\s+\.b8\s+global_smem\[(\d*)\]", ptx)
+    body = ptx[entry.end():]
+    body = body[body.index("{") + 1:]
+    body = body[:body.find("\t.file") if "\t.file" in body else len(body)]
+    arrays = [a for a in args if isinstance(a, np.ndarray)]
+    memory = Memory(arrays)
+    pointer = iter(memory.addresses)
+    values = [next(pointer) if isinstance(a, np.ndarray) else int(a) & 0xFFFFFFFF for a in args]
+    params = {name: values[i] if i < len(values) else 0 for i, name in enumerate(names)}
+    for block in itertools.product(*(range(n) for n in grid)):
+        # Triton's shared memory is `extern` (sized at launch): give the most a block may have on sm_90
+        Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0).execute(body)
+    memory.read_back(arrays)
