@@ -218,38 +218,53 @@ def case_sass(module, name: str, constexprs: dict, activations: str, aligned: bo
     return disassemble(compiled) if compiled is not None else ""
 
 
-def emulated_error(compiled, constexprs: dict, activations: str = "fp16", rows: int = 32) -> float:
-    """A grid GEMV as compiled for sm_90 (`activations`: x's and y's dtype), run on the CPU by
-    benchmarks/ptx_emulator.py on a random weight of the case's kind: y's error relative to
-    the torch reference. K is chosen so the blocks along K are whole exactly where the case says
-    (EVEN), so the masked tail is run where it exists."""
-    import numpy as np
+EMULATED = ("_grid_gemv_kernel", "_gemv_kernel", "_dequantize_kernel")  # the GEMMs run wgmma, which the emulator lacks
+
+
+def emulated_error(compiled, name: str, constexprs: dict, activations: str = "fp16", rows: int = 32) -> float:
+    """A GEMV (grid or general) or the dequantize kernel (one of EMULATED) as compiled for
+    sm_90 (`activations`: x's and y's dtype), run on the CPU by benchmarks/ptx_emulator.py on a
+    random weight of the case's kind: the output's error relative to the torch reference. For
+    the grid GEMV, K is chosen so the blocks along K are whole exactly where the case says
+    (EVEN), so the masked tail runs where it exists; the general kernels get a per-channel
+    weight 1056 wide, not a whole number of their blocks, and fewer rows than a block."""
     import torch
 
     from benchmarks.ptx_emulator import launch
-    from compressors.packed_int import matmul_reference, random_packed_weight
+    from compressors.packed_int import dequantize_reference, matmul_reference, random_packed_weight
 
-    kind = "codebook" if constexprs["CODEBOOK"] else "asymmetric" if constexprs["HAS_ZERO"] else "symmetric"
-    group = None if constexprs["GROUP"] == 0 or constexprs["CODEBOOK"] else constexprs["GROUP"] * (2 if constexprs["SPARSE24"] else 1)
-    for columns in (4096, 2304, 4032, 1536):  # multiples of 48, 128 and a 3-bit unit's 32
-        weight = random_packed_weight(constexprs["BITS"], rows, columns, group, ("2:4 " if constexprs["SPARSE24"] else "") + kind)
-        weight = weight.interleave() if constexprs["INTERLEAVED"] else weight
-        blocks, whole = packed_int._k_blocks(columns, constexprs)
-        if whole == constexprs["EVEN"]:
-            break
+    kind = ("2:4 " if constexprs["SPARSE24"] else "") + ("codebook" if constexprs["CODEBOOK"] else "asymmetric" if constexprs["HAS_ZERO"] else "symmetric")
+    if name == "_grid_gemv_kernel":
+        group = None if constexprs["GROUP"] == 0 or constexprs["CODEBOOK"] else constexprs["GROUP"] * (2 if constexprs["SPARSE24"] else 1)
+        for columns in (4096, 2304, 4032, 1536):  # multiples of 48, 128 and a 3-bit unit's 32
+            weight = random_packed_weight(constexprs["BITS"], rows, columns, group, kind)
+            weight = weight.interleave() if constexprs["INTERLEAVED"] else weight
+            blocks, whole = packed_int._k_blocks(columns, constexprs)
+            if whole == constexprs["EVEN"]:
+                break
+        else:
+            raise ValueError(f"no test width makes the blocks along K {'whole' if constexprs['EVEN'] else 'partial'}")
+        grid, tensors, strides, flags = weight._launch
+        unused = {"GROUP"} if constexprs["CODEBOOK"] else set()  # a codebook has no scales
+        launched = (triton.cdiv(rows, constexprs["BLOCK_N"]), min(constexprs["SPLIT_K"], blocks))
     else:
-        raise ValueError(f"no test width makes the blocks along K {'whole' if constexprs['EVEN'] else 'partial'}")
-    flags = weight._launch[3]
-    unused = {"GROUP"} if constexprs["CODEBOOK"] else set()  # a codebook has no scales
+        columns = 1056  # 33 x 32: whole 3-bit units, 16.5 of the general kernels' 64-wide blocks
+        weight = random_packed_weight(constexprs["BITS"], rows, columns, None, kind)
+        (tensors, strides, flags), unused = weight._kernel_args(), {"group_size"}
+        strides = (*strides, flags["group_size"]) if name == "_gemv_kernel" else strides
+        launched = (triton.cdiv(rows, constexprs["BLOCK_N"]),) + ((triton.cdiv(columns, constexprs["BLOCK_K"]),) if name == "_dequantize_kernel" else ())
     assert all(flags[key] == constexprs[key] for key in flags.keys() - unused), f"the test weight is not the case's kind: {flags}"
+    if name == "_dequantize_kernel":
+        out = torch.zeros(rows, columns, dtype=torch.float16)
+        launch(compiled.asm["ptx"], launched, [*(t.numpy() for t in tensors), out.numpy(), rows, columns, *strides, out.stride(0), flags["group_size"]])
+        reference = dequantize_reference(weight).float()
+        return ((out.float() - reference).norm() / reference.norm()).item()
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[activations]
     as_bits = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}[dtype]  # numpy has no bf16
     x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).to(dtype)
     y = torch.zeros(rows, dtype=dtype)  # split-K blocks add into it
-    tensors, strides = weight._launch[1], weight._launch[2]
     y_bits = y.view(as_bits).numpy()  # shares y's memory: the emulator writes back into it
-    launch(compiled.asm["ptx"], (triton.cdiv(rows, constexprs["BLOCK_N"]), min(constexprs["SPLIT_K"], blocks)),
-           [x.view(as_bits).numpy(), *(t.numpy() for t in tensors), y_bits, rows, columns, *strides])
+    launch(compiled.asm["ptx"], launched, [x.view(as_bits).numpy(), *(t.numpy() for t in tensors), y_bits, rows, columns, *strides])
     reference = matmul_reference(x, weight).float()[0]
     return ((y.float() - reference).norm() / reference.norm()).item()
 
@@ -344,9 +359,10 @@ def main() -> None:
                     cause = error.__cause__ or error  # a CompilationError quotes the source; its cause says what failed
                     failed.append(f"{case}: {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}")
                     continue
-                if name == "_grid_gemv_kernel":  # what the GPU would run, run here
+                if name in EMULATED and not aligned and (activations == "fp16" or "x_ptr" in getattr(packed_int, name).arg_names):
+                    # what the GPU would run, run here (the dequantize kernel once: it takes no activations)
                     try:
-                        errors.append((activations, emulated_error(compiled, constexprs, activations)))
+                        errors.append((activations, emulated_error(compiled, name, constexprs, activations)))
                     except Exception as error:  # noqa: BLE001  (a fault or an instruction the emulator lacks is the finding)
                         failed.append(f"{case}: emulated: {type(error).__name__}: {str(error)[:200]}")
                         continue
@@ -356,7 +372,8 @@ def main() -> None:
         print("\n".join(spilled + failed) or "no register spills at these launch shapes")
         if not failed:
             print(f"all {len(CASES)} kernel paths compile for sm_90 with fp16, bf16 and fp32 activations "
-                  "(GEMMs aligned too), with no performance warning from ptxas; their GEMVs' PTX, emulated, is within " +
+                  "(GEMMs aligned too), with no performance warning from ptxas; the PTX of the GEMVs and the dequantize kernel, "
+                  "emulated, is within " +
                   ", ".join(f"{max(e for kind, e in errors if kind == activations):.1e} ({activations}, {sum(kind == activations for kind, _ in errors)} paths)"
                             for activations in EMULATED_TOLERANCE) + " of the reference")
         raise SystemExit(1 if failed else 0)
