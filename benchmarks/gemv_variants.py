@@ -36,7 +36,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from compressors.packed_int import _DOT4_PTX as ASM_FP32  # noqa: E402  (mode 1: the served decode; x0..x7 fp32 in $2..$9)
-from benchmarks.gemv_gluon import HALF2_DOT4  # noqa: E402
+from compressors.packed_int_gluon import HALF2_DOT4  # noqa: E402
 from compressors.packed_int import HALF2_DECODE4  # noqa: E402
 
 # mode 2: the same decode, then x pairs (x[c], x[c + 4]) as half2 ($2..$5) multiplied in half2

@@ -12,7 +12,8 @@
 #   gemv      benchmarks/gemv_variants.py --production: the int4 GEMV at every launch shape the tuner
 #             may pick, both layouts, at realistic layer shapes (compiled first on $COMPILE_WORKERS)
 #   gluon     benchmarks/gemv_gluon.py: the batch-1 int4 GEMV written in Gluon (no shared memory in its
-#             loop), at each of its launches, beside fp16 and the served GEMV (autotuned, both layouts)
+#             loop; compressors/packed_int_gluon.py), at each of its launches, beside fp16 and the grid
+#             GEMV (autotuned, both layouts), and what serving picked per shape (the faster)
 #   latency   `lmpress latency --random-weights` on the GPU: the table `search --budget-latency`
 #             counts in (its launches compiled first, in parallel: kernel_speed.py --levels),
 #             from a model's config.json and a level database's manifest.json alone

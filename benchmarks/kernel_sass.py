@@ -63,7 +63,7 @@ def compile_for(kernel, constexprs: dict, activations: str = "fp16", arch: int =
             signature[name] = "i32"
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource  # benchmarks/gemv_gluon.py's kernel is Gluon
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource  # compressors/packed_int_gluon.py's kernel is Gluon
     return triton.compile(source(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 

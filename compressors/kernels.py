@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from compressors import packed_int
+from compressors import packed_int, packed_int_gluon
 from compressors.packed_int import KERNEL_BITS, PackedWeight
 
 
@@ -28,13 +28,14 @@ class Kernel:
     supports: Callable[[PackedWeight], bool]
     run: Callable[[torch.Tensor, PackedWeight], torch.Tensor]
     reference: Callable[[torch.Tensor, PackedWeight], torch.Tensor]
-    source: Path
+    sources: tuple[Path, ...]  # the files an artifact bundles to serve with it
     # what the self-check runs: `run` without autotuning. Tuning the check's small weights cost
     # 6-26 s per decode path on an H100 (over 2 minutes before `lmpress latency` timed anything)
     check: Callable[[torch.Tensor, PackedWeight], torch.Tensor]
 
-    def source_sha256(self) -> str:
-        return hashlib.sha256(self.source.read_bytes()).hexdigest()
+    def source_hashes(self) -> dict[str, str]:
+        """Each source's path inside an artifact (`kernels/<file>`) and its sha256."""
+        return {f"kernels/{source.name}": hashlib.sha256(source.read_bytes()).hexdigest() for source in self.sources}
 
 
 def _packed_matmul_serves(weight: PackedWeight) -> bool:
@@ -51,7 +52,7 @@ KERNELS = [
         supports=_packed_matmul_serves,
         run=packed_int.matmul_triton,
         reference=packed_int.matmul_reference,
-        source=Path(packed_int.__file__),
+        sources=(Path(packed_int.__file__), Path(packed_int_gluon.__file__)),  # the Gluon GEMV serves int4 at batch 1 where faster
         check=functools.partial(packed_int.matmul_triton, tune=False),
     ),
 ]

@@ -214,7 +214,7 @@ def validate(folder: Path, out: Path | None = None) -> dict:
         "device": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
         "gpu_validated": gpu and bool(checked),  # true only where a kernel ran on the GPU
         "checked": scope,
-        "kernels": {k.name: {"source": f"kernels/{k.source.name}", "sha256": k.source_sha256()} for k in sorted(used, key=lambda k: k.name)},
+        "kernels": {k.name: {"sources": k.source_hashes()} for k in sorted(used, key=lambda k: k.name)},
         "max_rel_error": max((max(e["max_rel_error"].values()) for e in checked), default=None),
         "tolerance": VALIDATION_TOLERANCE,
         "layers": layers,
@@ -234,9 +234,9 @@ def validation_failures(report: dict, folder: Path | None = None) -> list[str]:
         if entry.get("kernel") and max(entry["max_rel_error"].values()) > VALIDATION_TOLERANCE
     ]
     for name, kernel in sorted(report.get("kernels", {}).items()) if folder is not None else ():
-        source = Path(folder) / kernel["source"]
-        if not source.is_file() or file_sha256(source) != kernel["sha256"]:
-            failures.append(f"{kernel['source']} is missing or is not the {name} source that was validated")
+        for path, sha256 in kernel["sources"].items():
+            if not (Path(folder) / path).is_file() or file_sha256(Path(folder) / path) != sha256:
+                failures.append(f"{path} is missing or is not the {name} source that was validated")
     return failures
 
 
@@ -245,8 +245,8 @@ def bundle_kernels(folder: Path) -> None:
     from compressors.kernels import KERNELS
 
     (Path(folder) / "kernels").mkdir(exist_ok=True)
-    for kernel in KERNELS:
-        shutil.copy(kernel.source, Path(folder) / "kernels" / kernel.source.name)
+    for source in {source for kernel in KERNELS for source in kernel.sources}:
+        shutil.copy(source, Path(folder) / "kernels" / source.name)
 
 
 def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False) -> tuple[torch.nn.Module, torch.Tensor | None]:

@@ -149,8 +149,12 @@ def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder
     report = json.loads((out / "validation.json").read_text())
     assert report["gpu_validated"] is False and report["device"] == "cpu (Triton interpreter)"
     assert report["max_rel_error"] < 1e-5
-    source = report["kernels"]["triton-packed-matmul"]
-    assert hashlib.sha256((out / source["source"]).read_bytes()).hexdigest() == source["sha256"]
+    sources = report["kernels"]["triton-packed-matmul"]["sources"]
+    assert set(sources) == {"kernels/packed_int.py", "kernels/packed_int_gluon.py"}
+    assert all(hashlib.sha256((out / path).read_bytes()).hexdigest() == sha256 for path, sha256 in sources.items())
+    assert serving.validation_failures(report, out) == []
+    (out / "kernels" / "packed_int_gluon.py").write_text("# edited after validation\n")  # publishing checks what it would ship
+    assert serving.validation_failures(report, out) == ["kernels/packed_int_gluon.py is missing or is not the triton-packed-matmul source that was validated"]
 
     served, dense = load_for_serving(str(out)), load_model(str(out))
     assert isinstance(served.model.model.layers[0].mlp.down_proj, PackedLinear)
@@ -363,15 +367,15 @@ def test_ptx_decodes_compute_what_the_interpreter_runs():
 
 
 def test_gluon_gemv_ptx_computes_the_dot_without_overflow():
-    """benchmarks/gemv_gluon.py's half2 PTX (an experiment awaiting a GPU timing), emulated: x
+    """The Gluon GEMV's half2 PTX (compressors/packed_int_gluon.py), emulated: x
     pairs regrouped by prmt to (x_j, x_j+4), a word decoded to (code - 8) / 32 and dotted with
     them in half2. It stays within fp16 rounding of the exact sum, and finite at |x| = 65504, the
     largest fp16. (Its fp32 variant runs the served `_DOT4_PTX`, tested above.) And the relation
     its interleaved x addressing (`_x_pairs`) is built on, checked against `interleave_order`."""
     import numpy as np
-    from benchmarks import gemv_gluon
     from benchmarks.ptx_emulator import _pack, run
     from compressors import packed_int
+    from compressors import packed_int_gluon as gemv_gluon
 
     rng = np.random.default_rng(0)
     for trial in range(300):
@@ -464,21 +468,75 @@ def test_ptx_emulator_runs_a_kernel_and_faults_where_a_gpu_would():
 
 
 def test_gluon_gemv_computes_as_compiled_for_hopper(tmp_path):
-    """benchmarks/gemv_gluon.py's kernel, which no interpreter runs, compiled for sm_90 and its
-    PTX run on the CPU, both layouts, at launches covering each of its code paths (half2 and
-    fp32 arithmetic; 1, 2 and 4 rows and 4 or 8 words a thread; x by 4-byte loads with warps
-    split along K, whose sum crosses warps in shared memory; prefetch): y within fp16 rounding
-    of the reference. (`--emulate` runs all 24 launches.)"""
+    """The Gluon GEMV (compressors/packed_int_gluon.py), which no interpreter runs, compiled for
+    sm_90 and its PTX run on the CPU (benchmarks/gemv_gluon.py --emulate), in groups of 128 in both
+    layouts and per channel, at launches covering each of its code paths (half2 and fp32
+    arithmetic; 1, 2 and 4 rows and 4 or 8 words a thread; x by 4-byte loads with warps split
+    along K, whose sum crosses warps in shared memory; prefetch), every launch serving may pick
+    among them: y within fp16 rounding of the reference. (Without --launches it runs all 24.)"""
     import subprocess
     import sys
 
+    from compressors.packed_int_gluon import LAUNCHES, SERVED
+
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemv_gluon.py")
-    chosen = "0,2,9,12,17,18,23"
+    others = [LAUNCHES.index(launch) for launch in LAUNCHES if launch not in SERVED]
+    chosen = ",".join(str(i) for i in [LAUNCHES.index(launch) for launch in SERVED] + [others[0], others[-1]] + [i for i in others if LAUNCHES[i].prefetch][:1])
     result = subprocess.run([sys.executable, script, "--emulate", "--launches", chosen, "--out", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = json.loads((tmp_path / "gemv_gluon_emulated.json").read_text())
-    assert len(rows) == 2 * len(chosen.split(",")) and {r["layout"] for r in rows} == {"unit order", "interleaved"}
+    assert len(rows) == 3 * len(chosen.split(",")) and {(r["layout"], r["group"]) for r in rows} == {
+        ("unit order", 128), ("interleaved", 128), ("interleaved", "per channel")}
     assert all(r["rel_error"] <= 2e-3 for r in rows), rows
+
+
+def test_gluon_gemv_serves_only_the_weights_it_fits(monkeypatch):
+    """The Gluon GEMV has no masks and decodes symmetric 4-bit words only: a launch takes a weight
+    when its groups hold whole words (per channel too) and its rows and K are whole blocks of
+    the launch. Serving considers it only for fp16 x on CUDA with autotuning on (it is picked
+    by timing) and not turned off; everywhere else the grid GEMV serves, as before."""
+    from compressors import packed_int_gluon
+
+    launch = packed_int_gluon.Launch(1, 2, 4, 0, 1, 4)  # 8 rows x 128 words: 1024 columns a block
+    assert packed_int_gluon.fits(random_packed(4, 64, 2048, 128), launch)
+    assert packed_int_gluon.fits(random_packed(4, 64, 2048, None), launch)  # per channel: GROUP = K
+    assert packed_int_gluon.fits(random_packed(4, 64, 2048, 32), launch)
+    for weight in (random_packed(4, 64, 2048, 128, "asymmetric"), random_packed(4, 64, 2048, None, "codebook"),
+                   random_packed(4, 64, 2048, 128, "2:4 symmetric"), random_packed(3, 64, 2048, 128), random_packed(8, 64, 2048, 128),
+                   random_packed(4, 60, 2048, 128), random_packed(4, 64, 1536, 128), random_packed(4, 64, 2048, 4)):
+        assert not packed_int_gluon.fits(weight, launch), weight
+    assert [launch.half2 and not launch.prefetch and launch.xvec for launch in packed_int_gluon.SERVED] == [1] * len(packed_int_gluon.SERVED)
+    weight, x = random_packed(4, 64, 2048, 128), torch.randn(1, 2048).half()
+    never = lambda: pytest.fail("timed on the CPU")  # noqa: E731
+    assert packed_int_gluon.served_launch(x, weight, never) is None  # the CPU
+    if torch.cuda.is_available():
+        for setting, value in (("LMPRESS_GLUON", "0"), ("LMPRESS_AUTOTUNE", "0")):
+            with monkeypatch.context() as env:
+                env.setenv(setting, value)
+                assert packed_int_gluon.served_launch(x.cuda(), weight.to("cuda"), never) is None
+        assert packed_int_gluon.served_launch(x.cuda().float(), weight.to("cuda"), never) is None
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only (here: their PTX, emulated, above)")
+def test_gluon_gemv_matches_the_reference_and_serves_where_it_is_faster(monkeypatch):
+    """On a GPU: every Gluon launch in both layouts, in groups of 128 and per channel, against
+    the reference; then served, `matmul_triton` at batch 1 picks it or the grid GEMV by timing
+    (here against the grid GEMV's first launch shape where LMPRESS_AUTOTUNE=0 fixed it at
+    import), with the same y either way."""
+    from compressors import packed_int_gluon
+
+    x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(0)).half().to(DEVICE)
+    for group in (128, None):
+        weight = packed(4, 256, 4096, group)
+        reference = matmul_reference(x, weight).float()
+        for stored in (weight, weight.interleave()):
+            for launch in packed_int_gluon.LAUNCHES:
+                y = torch.full((1, 256), float("nan"), dtype=torch.float16, device=DEVICE)
+                error = ((packed_int_gluon.run(x, stored, y, launch).float() - reference).norm() / reference.norm()).item()
+                assert error <= 2e-3, (launch, stored.interleaved, group, error)
+        monkeypatch.delenv("LMPRESS_AUTOTUNE", raising=False)
+        served = matmul_triton(x, weight.interleave())
+        assert ((served.float() - reference).norm() / reference.norm()).item() <= 2e-3, packed_int_gluon.picked(x, weight.interleave())
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="builds its 32 inputs with Python, which only the interpreter runs")
