@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compressors import packed_int  # noqa: E402
+from compressors import packed_int, packed_int_gluon  # noqa: E402
 from compressors.kernels import gpu_seconds, l2_overflowing_copies, weight_seconds  # noqa: E402
 from compressors.packed_int import PackedWeight, matmul_reference, matmul_triton, random_packed_weight  # noqa: E402
 
@@ -84,15 +84,24 @@ def _compile_launch_shape(task: tuple) -> bool:
     """Runs one launch shape the autotuner may time, for one (kernels, `kind_spec`, K, batch), once, on
     a weight of 256 rows: what Triton caches on disk for it is what the timed run then loads
     (its cache key holds the constexprs and which ints are multiples of 16, not N itself).
-    False where the GPU cannot hold the tile (the tuner times it as infinite)."""
+    Or (`gluon`) one of the Gluon GEMV's launches that serving times against the grid GEMV at
+    batch 1 (compressors/packed_int_gluon.py). False where the GPU cannot hold the tile (the
+    tuner times it as infinite) or the Gluon launch does not fit the kind."""
     from triton.runtime.errors import OutOfResources
 
-    path, spec, k, batch, index = task
+    path, spec, k, batch, index, gluon = task
     module = _kernels(path)
-    config = (module.GEMV_CONFIGS if batch == 1 else module.GEMM_CONFIGS)[index]
     x = torch.randn(batch, k, device="cuda", dtype=torch.float16)
+    y = torch.empty(batch, 256, device="cuda", dtype=torch.float16)
+    if gluon:
+        launch = packed_int_gluon.SERVED[index]
+        if not packed_int_gluon.fits(_small_weight(spec, k), launch):
+            return False
+        packed_int_gluon.run(x, _small_weight(spec, k), y, launch)
+        return True
+    config = (module.GEMV_CONFIGS if batch == 1 else module.GEMM_CONFIGS)[index]
     try:
-        module._grid_matmul(x, _small_weight(spec, k), torch.empty(batch, 256, device="cuda", dtype=torch.float16), config)
+        module._grid_matmul(x, _small_weight(spec, k), y, config)
     except OutOfResources:
         return False
     return True
@@ -100,10 +109,12 @@ def _compile_launch_shape(task: tuple) -> bool:
 
 def launch_tasks(path: str | None, spec: tuple, ks: list[int], batches: list[int]) -> list[tuple]:
     """`_compile_launch_shape`'s tasks: every launch shape of one version of the kernels for one
-    kind, at each K and batch."""
+    kind, at each K and batch; for this version at batch 1, the Gluon GEMV's served launches too
+    (a kind they do not fit compiles nothing)."""
     module = _kernels(path)
-    return [(path, spec, k, batch, index) for k in ks for batch in batches
-            for index in range(len(module.GEMV_CONFIGS if batch == 1 else module.GEMM_CONFIGS))]
+    gluon = [(path, spec, k, 1, index, True) for k in ks for index in range(len(packed_int_gluon.SERVED))] if path is None and 1 in batches else []
+    return [(path, spec, k, batch, index, False) for k in ks for batch in batches
+            for index in range(len(module.GEMV_CONFIGS if batch == 1 else module.GEMM_CONFIGS))] + gluon
 
 
 def level_tasks(levels: Path, batches: list[int]) -> list[tuple]:
