@@ -334,6 +334,8 @@ def _served_form(folder: Path) -> list[str]:
 
 
 def _kernels_section(facts: ArtifactFacts) -> list[str]:
+    from pipelines.serving import kernel_sources
+
     report = facts.validation
     if report is None and not facts.quantization:
         return ["## Kernels", "", *_served_form(facts.folder)]
@@ -353,7 +355,7 @@ def _kernels_section(facts: ArtifactFacts) -> list[str]:
     if not report["gpu_validated"]:
         lines += ["No GPU has checked or timed these kernels yet: there is no speed claim. Run `lmpress validate` on a GPU to add one.", ""]
     lines += ["| kernel | source | sha256 |", "| --- | --- | --- |"]
-    lines += [f"| {name} | `{path}` | `{sha256[:16]}…` |" for name, entry in sorted(report["kernels"].items()) for path, sha256 in entry["sources"].items()]
+    lines += [f"| {name} | `{path}` | `{sha256[:16]}…` |" for name, entry in sorted(report["kernels"].items()) for path, sha256 in kernel_sources(entry).items()]
     speeds = [entry["speedup_vs_fp16"] for entry in report["layers"].values() if entry.get("speedup_vs_fp16")]
     if speeds:
         lines += ["", "| batch | speed vs dense fp16 (median over layers) |", "| --- | --- |"]

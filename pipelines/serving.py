@@ -225,6 +225,12 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     return report
 
 
+def kernel_sources(entry: dict) -> dict[str, str]:
+    """A validation report's kernel entry as {bundled path: sha256}. Reports before the Gluon
+    GEMV (one file per kernel) held one `source` and its `sha256`: they still vouch for it."""
+    return entry["sources"] if "sources" in entry else {entry["source"]: entry["sha256"]}
+
+
 def validation_failures(report: dict, folder: Path | None = None) -> list[str]:
     """What is wrong with a validation report: a layer above the tolerance, or (given the
     artifact's folder) a bundled kernel source that is not the one validated."""
@@ -234,7 +240,7 @@ def validation_failures(report: dict, folder: Path | None = None) -> list[str]:
         if entry.get("kernel") and max(entry["max_rel_error"].values()) > VALIDATION_TOLERANCE
     ]
     for name, kernel in sorted(report.get("kernels", {}).items()) if folder is not None else ():
-        for path, sha256 in kernel["sources"].items():
+        for path, sha256 in kernel_sources(kernel).items():
             if not (Path(folder) / path).is_file() or file_sha256(Path(folder) / path) != sha256:
                 failures.append(f"{path} is missing or is not the {name} source that was validated")
     return failures

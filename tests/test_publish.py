@@ -3,6 +3,7 @@
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,18 @@ def test_publish_refuses_bad_input_and_reports_hub_failures_in_one_line(quantize
     (failed / "validation.json").unlink()
     (failed / "validation.json").write_text(json.dumps(report))
     refused(failed, "validation failed: .* off its torch reference by 0.5 .* pass --force", dry_run=True)
+
+    # a report from before kernels listed several sources (one `source` and its `sha256`) still vouches for that file
+    older = tmp_path / "older"
+    shutil.copytree(artifact, older)
+    report = json.loads((artifact / "validation.json").read_text())
+    bundled = "kernels/packed_int.py"
+    report["kernels"] = {"triton-packed-matmul": {"source": bundled, "sha256": report["kernels"]["triton-packed-matmul"]["sources"][bundled]}}
+    (older / "validation.json").write_text(json.dumps(report))
+    publish(older, PublishConfig(repo_id="tester/x", dry_run=True), tmp_path / "older-upload")
+    assert f"| triton-packed-matmul | `{bundled}` |" in (tmp_path / "older-upload" / "README.md").read_text()
+    (older / bundled).write_text("# edited\n")
+    refused(older, f"validation failed: {bundled} is missing or is not the triton-packed-matmul source that was validated", dry_run=True)
 
     with LocalHub() as hub:
         endpoint = {"endpoint": hub.url, "timeout": 2.0}
