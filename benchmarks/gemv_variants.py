@@ -36,8 +36,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from compressors.packed_int import _DOT4_PTX as ASM_FP32  # noqa: E402  (mode 1: the served decode; x0..x7 fp32 in $2..$9)
-from compressors.packed_int_gluon import HALF2_DOT4  # noqa: E402
 from compressors.packed_int import HALF2_DECODE4  # noqa: E402
+from compressors.packed_int_gluon import HALF2_DOT4  # noqa: E402
 
 # mode 2: the same decode, then x pairs (x[c], x[c + 4]) as half2 ($2..$5) multiplied in half2
 ASM_FP16 = tl.constexpr("{\n .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, a;\n .reg .b16 lo, hi;\n .reg .f32 flo, fhi;\n" + HALF2_DECODE4 + HALF2_DOT4 + "}")

@@ -91,17 +91,17 @@ def _compile_launch_shape(task: tuple) -> bool:
 
     path, spec, k, batch, index, gluon = task
     module = _kernels(path)
-    x = torch.randn(batch, k, device="cuda", dtype=torch.float16)
+    x, weight = torch.randn(batch, k, device="cuda", dtype=torch.float16), _small_weight(spec, k)
     y = torch.empty(batch, 256, device="cuda", dtype=torch.float16)
     if gluon:
         launch = packed_int_gluon.SERVED[index]
-        if not packed_int_gluon.fits(_small_weight(spec, k), launch):
+        if not packed_int_gluon.fits(weight, launch):
             return False
-        packed_int_gluon.run(x, _small_weight(spec, k), y, launch)
+        packed_int_gluon.run(x, weight, y, launch)
         return True
     config = (module.GEMV_CONFIGS if batch == 1 else module.GEMM_CONFIGS)[index]
     try:
-        module._grid_matmul(x, _small_weight(spec, k), y, config)
+        module._grid_matmul(x, weight, y, config)
     except OutOfResources:
         return False
     return True

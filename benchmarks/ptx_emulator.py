@@ -10,8 +10,9 @@ Lockstep makes `bar.sync` a no-op and lets a branch be taken only when every thr
 NVIDIA's PTX ISA. Rounding: fp16 results are rounded once from the float64 value (exact for
 fp16 products and sums of nearby magnitude), fp32 fma likewise from float64 (double rounding is
 possible only when the product's low bits straddle a tie: rare, and far inside any tolerance a
-test uses). Global memory is one byte array; a load or store outside it, or not aligned to its
-width, raises, as it would fault on the GPU."""
+test uses). Global memory holds the kernel's arrays in one byte array; a load or store outside
+the array it starts in, or not aligned to its width, raises: a GPU would fault, or read another
+tensor."""
 
 from __future__ import annotations
 
@@ -23,10 +24,6 @@ import numpy as np
 
 _WIDTH = {"8": 8, "16": 16, "32": 32, "64": 64, "16x2": 32}
 _SPECIAL = ("%tid.", "%ntid.", "%ctaid.", "%nctaid.", "%laneid", "%warpid")
-
-
-def _half(bits: int) -> float:
-    return float(np.array(bits & 0xFFFF, dtype=np.uint16).view(np.float16))
 
 
 def _pack(low: float, high: float) -> int:
@@ -200,7 +197,9 @@ class Block:
         return _as(self.value(token), kind)
 
     def write(self, token: str, bits: np.ndarray, active: np.ndarray | None) -> None:
-        bits = np.asarray(bits, dtype=np.uint64) if np.asarray(bits).dtype != np.bool_ else np.asarray(bits)
+        """Bit patterns (or a predicate's bools) into a register, where `active` (all threads if None)."""
+        bits = np.asarray(bits)
+        bits = bits if bits.dtype == np.bool_ else bits.astype(np.uint64)
         if active is not None and token in self.regs:
             bits = np.where(active, bits, self.regs[token])
         self.regs[token] = bits
@@ -377,15 +376,11 @@ class Block:
             return ~a if name == "not" else {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}[name](a, self.value(ops[2]).astype(bool))
         width = _WIDTH[kind[1:]]
         mask = np.uint64((1 << width) - 1) if width < 64 else np.uint64((1 << 64) - 1)
-        if name in ("mul", "mad") and parts[1] == "wide":  # 32 x 32 -> 64 bits
-            signed = "s" if kind[0] == "s" else "u"
-            product = self.typed(ops[1], kind).astype(np.int64 if signed == "s" else np.uint64) * self.typed(ops[2], kind).astype(np.int64 if signed == "s" else np.uint64)
-            product = _bits(product)
-            return product + self.value(ops[3]) if name == "mad" else product
-        if name in ("mul", "mad") and parts[1] == "hi":  # the high half of the double-width product
-            wide = self.typed(ops[1], kind).astype(np.int64 if kind[0] == "s" else np.uint64) * self.typed(ops[2], kind).astype(np.int64 if kind[0] == "s" else np.uint64)
-            high = _bits(wide >> (np.int64 if kind[0] == "s" else np.uint64)(width)) & mask
-            return (high + self.value(ops[3])) & mask if name == "mad" else high
+        if name in ("mul", "mad") and parts[1] in ("wide", "hi"):  # the double-width product (32 x 32 -> 64 bits), or its high half
+            wide = np.int64 if kind[0] == "s" else np.uint64
+            product = self.typed(ops[1], kind).astype(wide) * self.typed(ops[2], kind).astype(wide)
+            result, kept = (_bits(product), np.uint64((1 << 64) - 1)) if parts[1] == "wide" else (_bits(product >> wide(width)) & mask, mask)
+            return (result + self.value(ops[3])) & kept if name == "mad" else result
         if name == "shf":  # funnel shift of b:a by c (wrap: c mod 32; clamp: at most 32); l: the high word, r: the low
             amount = self.value(ops[3]) & np.uint64(31) if parts[2] == "wrap" else np.minimum(self.value(ops[3]), np.uint64(32))
             joined = (self.value(ops[2]) & mask) << np.uint64(32) | (self.value(ops[1]) & mask)
