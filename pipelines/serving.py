@@ -153,7 +153,9 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     without one the kernels run in Triton's interpreter, which executes every program in
     Python, on the first INTERPRETED_ROWS rows of one linear of each distinct shape (all its
     columns, so every group and unit; several row blocks, the last one partial), and no speed
-    is claimed."""
+    is claimed. A report written into the artifact (no `out`) comes with the kernel sources it
+    vouches for, bundled anew: an artifact validated again after a kernel change ships the
+    kernels that were checked, not the ones it was made with."""
     gpu = torch.cuda.is_available()
     from compressors.kernels import KERNELS, serving_layout, weight_seconds
 
@@ -220,8 +222,9 @@ def validate(folder: Path, out: Path | None = None) -> dict:
         "layers": layers,
     }
     report["passed"] = not validation_failures(report)
-    target = Path(out).expanduser() if out is not None else folder / VALIDATION_FILE
-    write_json(target, report)
+    if out is None:
+        bundle_kernels(folder)
+    write_json(Path(out).expanduser() if out is not None else folder / VALIDATION_FILE, report)
     return report
 
 

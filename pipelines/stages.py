@@ -577,7 +577,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from compressors.packed_int import read_spilled, save_pack_quantized, spill_to_disk
     from compressors.sparsegpt import PrunedLinear, sparsegpt_prune
     from compressors.squeezellm import squeezellm_quantize
-    from pipelines.serving import bundle_kernels, validate
+    from pipelines.serving import validate
 
     config.validate()
     require(
@@ -660,7 +660,6 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         release_free_memory()
         loaded.tokenizer.save_pretrained(tmp)
         shutil.rmtree(spilled)
-        bundle_kernels(tmp)
         validate(tmp)
         record = {"stage": "quantize", "params": asdict(config), "overrides": overrides, **calibration_record(calib)}
         write_lineage(tmp, chain, record, run)
@@ -779,7 +778,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     from compressors.gptq import gptq_quantize
     from compressors.sparsegpt import PrunedLinear, sparsegpt_prune
     from compressors.sparsity import keep_mask, magnitude_score, reconstruction_error, refine_mask, wanda_score
-    from pipelines.serving import bundle_kernels, validate
+    from pipelines.serving import validate
 
     config.validate()
     run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("prune", config.options_needing_calibration()))
@@ -827,7 +826,6 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
             target = tmp / COMPRESSED_FOLDER
             save_lmpress_packed(loaded.model, {name: packed_weight(item) for name, item in compressed.items()}, target)
             loaded.tokenizer.save_pretrained(target)
-            bundle_kernels(target)
             validate(target)
             write_lineage(target, chain, record, run)
         loaded.model.save_pretrained(tmp)  # dense with zeros (dequantized values where quantized)
