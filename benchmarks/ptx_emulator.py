@@ -2,7 +2,8 @@
 decodes (`run`, one thread) and whole kernels as Triton compiles them for sm_90 (`launch`, every
 thread of every block). No GPU simulator or PTX interpreter is installable here (the Triton
 interpreter runs a kernel's Python, never its PTX, and knows nothing of Gluon), so this is
-written by hand, for the instructions Triton's GEMV code uses; anything else raises.
+written by hand, for the instructions Triton's kernels here use, the tensor-core products
+(mma.sync, and Hopper's wgmma with its shared-memory operand) included; anything else raises.
 
 A block's threads run in lockstep, each register a numpy array over them holding bit patterns.
 Lockstep makes `bar.sync` a no-op and lets a branch be taken only when every thread takes it
@@ -80,13 +81,15 @@ def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, table: int) -> np.ndarray
 
 
 def _prmt(a: np.ndarray, b: np.ndarray, selector: np.ndarray) -> np.ndarray:
-    """Result byte i: byte (selector nibble i) of b:a (a bytes 0-3, b bytes 4-7); no sign mode."""
-    assert not np.any(selector & np.uint64(0x8888)), "the emulator has no prmt sign replication"
+    """Result byte i: byte (selector nibble i, bits 0-2) of b:a (a bytes 0-3, b bytes 4-7), or
+    with the nibble's bit 3 set, that byte's sign bit in all 8 bits (default mode)."""
     source = b << np.uint64(32) | a
     out = np.zeros_like(a)
     for i in range(4):
-        chosen = selector >> np.uint64(4 * i) & np.uint64(7)
-        out |= (source >> (chosen * np.uint64(8)) & np.uint64(0xFF)) << np.uint64(8 * i)
+        nibble = selector >> np.uint64(4 * i)
+        byte = source >> ((nibble & np.uint64(7)) * np.uint64(8)) & np.uint64(0xFF)
+        byte = np.where(nibble & np.uint64(8), (byte >> np.uint64(7)) * np.uint64(0xFF), byte)
+        out |= byte << np.uint64(8 * i)
     return out
 
 
@@ -104,7 +107,7 @@ def _program(body: str) -> tuple[list[tuple], dict[str, int]]:
     for raw in body.split(";"):
         text = raw.strip()
         while True:  # labels and block braces before the statement
-            match = re.match(r"^(\$?[\w.$]+):\s*|^\{\s*|^\}\s*", text)
+            match = re.match(r"^(\$?[\w.$]+):(?!:)\s*|^\{\s*|^\}\s*", text)  # not a state space's `::cta`
             if not match:
                 break
             if match.group(1):
@@ -229,7 +232,10 @@ class Block:
                 continue
             if opcode == "ret" or opcode.startswith("exit"):
                 return
-            self.step(opcode, ops, active)
+            try:
+                self.step(opcode, ops, active)
+            except (AssertionError, IndexError, KeyError, MemoryError, NotImplementedError, ValueError) as error:
+                raise type(error)(f"{error} (at `{opcode} {', '.join(ops)}`)") from error
 
     def step(self, opcode: str, ops: list[str], active: np.ndarray | None) -> None:  # noqa: C901  (one branch per instruction)
         parts = opcode.split(".")
@@ -249,6 +255,13 @@ class Block:
         if name in ("stmatrix", "ldmatrix"):
             self.matrix(name == "ldmatrix", parts, ops, active)
             return
+        if name in ("wgmma", "mma"):
+            assert active is None, f"the emulator has no predicated {opcode}"
+            if name == "mma":
+                self.mma_sync(parts, ops)
+            elif parts[1] == "mma_async":
+                self.wgmma(parts, ops)
+            return  # wgmma.fence, commit_group, wait_group: each product is done as it is issued (see `wgmma`)
         if name == "red":  # red.global...add.TYPE [address], value: one thread at a time, each add rounded
             assert "add" in parts and kind in ("f16", "bf16", "f32"), f"the emulator has no {opcode}"
             read = _from_bf16 if kind == "bf16" else lambda bits: _as(bits, kind)
@@ -328,7 +341,10 @@ class Block:
                 out = out.astype({"s": np.int64, "u": np.uint64}[to[0]])
             else:
                 out = value.astype(np.int64 if source[0] == "s" else np.uint64)
-            self.write(ops[0], _bits(out) & np.uint64((1 << _WIDTH[to[1:]]) - 1), active)
+            out = _bits(out) & np.uint64((1 << _WIDTH[to[1:]]) - 1)
+            if to[0] == "s":  # a signed result is sign-extended to the register (cvt.s8.s32 into a 16-bit one)
+                out = _bits(_as(out, to).astype(np.int64))
+            self.write(ops[0], out, active)
             return
         if kind in ("f16x2", "f16") or (name in ("add", "sub", "mul", "fma", "neg", "abs") and kind == "f32"):
             self.write(ops[0], self.float_math(name, kind, ops), active)
@@ -359,6 +375,86 @@ class Block:
                     self.write(register, self.shared.load(address, 4, 1)[0], None)
                 else:
                     self.shared.store(address, [self.value(register)], 4)
+
+    def _fragment(self, registers: list[str], kind: str) -> np.ndarray:
+        """Registers of 16-bit pairs (f16x2 or bf16x2) as float64 [threads, 2 x registers], low half first."""
+        read = (lambda bits: _from_bf16(bits).astype(np.float64)) if kind == "bf16" else (lambda bits: _as(bits, "f16").astype(np.float64))
+        return np.stack([read(self.value(r) >> np.uint64(16 * half)) for r in registers for half in (0, 1)], axis=1)
+
+    def _accumulate(self, d: list[str], c: list[str] | None, product: np.ndarray, threads: np.ndarray, rows: np.ndarray,
+                    columns: np.ndarray) -> None:
+        """d[i] = product[rows[t, i], columns[t, i]] (+ c[i]) in f32, for threads `threads`."""
+        for i, register in enumerate(d):
+            value = product[rows[:, i], columns[:, i]]
+            if c is not None:
+                value = value + _as(self.value(c[i])[threads], "f32").astype(np.float64)
+            bits = self.regs.get(register, np.zeros(self.threads, np.uint64)).copy()
+            bits[threads] = _bits(value.astype(np.float32))
+            self.regs[register] = bits
+
+    def mma_sync(self, parts: list[str], ops: list[str]) -> None:
+        """mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}x2.f32 d, a, b, c per warp. Fragments (PTX
+        ISA): lane l, g = l // 4, q = l % 4; A [16, 16]: register j holds row g + 8 (j % 2), columns
+        2 q + 8 (j // 2) and + 1; B [16, 8]: register j holds column g, rows 2 q + 8 j and + 1;
+        C / D: element i is row g + 8 (i // 2), column 2 q + i % 2."""
+        assert parts[3:5] == ["m16n8k16", "row"] and parts[5] == "col" and parts[6] == "f32" and parts[-1] == "f32", f"the emulator has no {'.'.join(parts)}"
+        d, a, b, c = ([t.strip() for t in op.strip("{} ").split(",")] for op in ops)
+        lane = np.arange(32)
+        g, q = lane // 4, lane % 4
+        a_rows = np.stack([g + 8 * (j % 2) for j in range(4) for _ in (0, 1)], axis=1)
+        a_cols = np.stack([2 * q + 8 * (j // 2) + h for j in range(4) for h in (0, 1)], axis=1)
+        b_rows = np.stack([2 * q + 8 * j + h for j in range(2) for h in (0, 1)], axis=1)
+        d_rows, d_cols = np.stack([g + 8 * (i // 2) for i in range(4)], axis=1), np.stack([2 * q + i % 2 for i in range(4)], axis=1)
+        for warp in range(self.threads // 32):
+            threads = slice(32 * warp, 32 * warp + 32)
+            A, B = np.zeros((16, 16)), np.zeros((16, 8))
+            A[a_rows, a_cols] = self._fragment(a, parts[7])[threads]
+            B[b_rows, g[:, None]] = self._fragment(b, parts[8])[threads]
+            self._accumulate(d, c, A @ B, np.arange(self.threads)[threads], d_rows, d_cols)
+
+    def wgmma(self, parts: list[str], ops: list[str]) -> None:
+        """wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} d, a, b-desc, scale-d,
+        imm-scale-a, imm-scale-b, imm-trans-b, per warpgroup (4 warps), with A [64, 16] in
+        registers (warp w holds rows 16 w .. 16 w + 15 as mma.sync's A) and B [16, N] in shared
+        memory as its descriptor says. D: warp w's rows; element i is row 16 w + g + 8 (i % 4 // 2),
+        column 8 (i // 4) + 2 q + i % 2. Done as issued: PTX leaves the registers and shared
+        operands of a product in flight untouched until wgmma.wait_group, so the result is the same."""
+        m, n, k = (int(v) for v in re.fullmatch(r"m(\d+)n(\d+)k(\d+)", parts[4]).groups())
+        kind = parts[6]
+        assert (m, k) == (64, 16) and parts[5] == "f32" and kind == parts[7] and kind in ("f16", "bf16") and ops[1].startswith("{"), \
+            f"the emulator has no {'.'.join(parts)} {ops[1][:10]}"
+        d, a = ([t.strip() for t in op.strip("{} ").split(",")] for op in ops[:2])
+        scale_d, scale_a, scale_b, transposed = self.value(ops[3]), int(ops[4], 0), int(ops[5], 0), int(ops[6], 0)
+        assert not transposed, "the emulator has no wgmma with B in MN-major order"
+        t = np.arange(128)
+        w, g, q = t // 32, t % 32 // 4, t % 4
+        a_rows = np.stack([16 * w + g + 8 * (j % 2) for j in range(4) for _ in (0, 1)], axis=1)
+        a_cols = np.stack([2 * q + 8 * (j // 2) + h for j in range(4) for h in (0, 1)], axis=1)
+        d_rows = np.stack([16 * w + g + 8 * (i % 4 // 2) for i in range(len(d))], axis=1)
+        d_cols = np.stack([8 * (i // 4) + 2 * q + i % 2 for i in range(len(d))], axis=1)
+        for group in range(self.threads // 128):
+            threads = np.arange(128 * group, 128 * group + 128)
+            descriptor = self.value(ops[2])[threads]
+            assert np.all(descriptor == descriptor[0]) and np.all(scale_d[threads] == scale_d[threads[0]]), "wgmma operands differ across a warpgroup"
+            A = np.zeros((64, 16))
+            A[a_rows, a_cols] = self._fragment(a, kind)[threads]
+            product = scale_a * scale_b * (A @ self._shared_matrix(int(descriptor[0]), n, kind).T)
+            self._accumulate(d, d if scale_d[threads[0]] else None, product, threads, d_rows, d_cols)
+
+    def _shared_matrix(self, descriptor: int, rows: int, kind: str) -> np.ndarray:
+        """The [rows, 16] K-major operand a wgmma matrix descriptor points at (PTX ISA, "matrix
+        descriptor": start address in bits 0-13 and the stride byte offset in bits 32-45, both in
+        16-byte units; swizzle mode in bits 62-63). Only the 128-byte swizzle, the one Triton's
+        GEMMs here use, is modelled: rows 128 bytes apart, 8-row groups SBO apart, and each
+        address' 16-byte chunk (bits 4-6) XORed with bits 7-9 (cute's Swizzle<3, 4, 3>)."""
+        assert descriptor >> 62 & 3 == 1 and descriptor >> 49 & 7 == 0, f"the emulator has only 128-byte swizzled wgmma operands, not {descriptor:#x}"
+        start, stride = (descriptor & 0x3FFF) << 4, (descriptor >> 32 & 0x3FFF) << 4
+        n, k = np.arange(rows)[:, None], np.arange(16)[None, :]
+        address = start + n // 8 * stride + n % 8 * 128 + 2 * k
+        address = address ^ ((address >> 7 & 7) << 4)
+        (bits,) = self.shared.load(address.ravel().astype(np.uint64), 2, 1)
+        values = _from_bf16(bits) if kind == "bf16" else _as(bits, "f16")
+        return values.astype(np.float64).reshape(rows, 16)
 
     def float_math(self, name: str, kind: str, ops: list[str]) -> np.ndarray:
         combine = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "fma": lambda a, b, c: a * b + c,

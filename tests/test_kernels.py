@@ -700,11 +700,12 @@ def test_kernels_compile_for_hopper():
     so every decode path is lowered to sm_90 machine code here, with no GPU, and must draw no
     performance warning from ptxas (the GEMM's wgmma serialized, say: C7515, which zeroing the
     accumulator on a path that skips the K loop caused; `_k_slice`). Register spills are
-    listed, not failed: they depend on the launch shape, which the autotuner times. Each GEMV
-    path's PTX (grid and general), as compiled, is also run on the CPU (benchmarks/ptx_emulator.py)
-    on a random weight of its kind, for fp16, bf16 and fp32 activations, as is the dequantize
-    kernel's, and must match the reference within the output's rounding: the inline PTX in
-    place, the layouts, the masks, split-K's atomics."""
+    listed, not failed: they depend on the launch shape, which the autotuner times. Each path's
+    PTX (GEMV and GEMM, grid and general), as compiled, is also run on the CPU
+    (benchmarks/ptx_emulator.py) on a random weight of its kind, for fp16, bf16 and fp32
+    activations, as is the dequantize kernel's, and must match the reference within the
+    output's rounding: the inline PTX in place, the layouts, the masks, the tensor-core
+    fragments and swizzled shared tiles, split-K's atomics."""
     import subprocess
     import sys
 
