@@ -125,6 +125,17 @@ def _program(body: str) -> tuple[list[tuple], dict[str, int]]:
     return statements, labels
 
 
+def _fragments(lane: np.ndarray, elements: int) -> tuple[np.ndarray, ...]:
+    """Where a warp's tensor-core fragments sit (PTX ISA; mma.sync m16n8k16, and each warp's 16
+    rows of a wgmma), as [lane, element] rows and columns. A [16, 16] of f16 / bf16 pairs: value
+    2 j + h (register j, half h) is row g + 8 (j % 2), column 2 q + 8 (j // 2) + h, where
+    g = lane // 4, q = lane % 4. D [16, 8 x elements / 4] of f32: element i is row
+    g + 8 (i % 4 // 2), column 8 (i // 4) + 2 q + i % 2."""
+    g, q = lane[:, None] // 4, lane[:, None] % 4
+    a, i = np.arange(8)[None, :], np.arange(elements)[None, :]
+    return g + 8 * (a // 2 % 2), 2 * q + 8 * (a // 4) + a % 2, g + 8 * (i % 4 // 2), 8 * (i // 4) + 2 * q + i % 2
+
+
 class Memory:
     """A memory space (global, or a block's shared): numpy arrays in one byte array at 256-byte aligned addresses."""
 
@@ -393,32 +404,28 @@ class Block:
             self.regs[register] = bits
 
     def mma_sync(self, parts: list[str], ops: list[str]) -> None:
-        """mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}x2.f32 d, a, b, c per warp. Fragments (PTX
-        ISA): lane l, g = l // 4, q = l % 4; A [16, 16]: register j holds row g + 8 (j % 2), columns
-        2 q + 8 (j // 2) and + 1; B [16, 8]: register j holds column g, rows 2 q + 8 j and + 1;
-        C / D: element i is row g + 8 (i // 2), column 2 q + i % 2."""
-        assert parts[3:5] == ["m16n8k16", "row"] and parts[5] == "col" and parts[6] == "f32" and parts[-1] == "f32", f"the emulator has no {'.'.join(parts)}"
+        """mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 d, a, b, c per warp, its
+        fragments as `_fragments` says; B [16, 8]: register j of lane l holds column l // 4, rows
+        2 (l % 4) + 8 j and + 1."""
+        assert parts[3:7] == ["m16n8k16", "row", "col", "f32"] and parts[-1] == "f32", f"the emulator has no {'.'.join(parts)}"
         d, a, b, c = ([t.strip() for t in op.strip("{} ").split(",")] for op in ops)
         lane = np.arange(32)
-        g, q = lane // 4, lane % 4
-        a_rows = np.stack([g + 8 * (j % 2) for j in range(4) for _ in (0, 1)], axis=1)
-        a_cols = np.stack([2 * q + 8 * (j // 2) + h for j in range(4) for h in (0, 1)], axis=1)
-        b_rows = np.stack([2 * q + 8 * j + h for j in range(2) for h in (0, 1)], axis=1)
-        d_rows, d_cols = np.stack([g + 8 * (i // 2) for i in range(4)], axis=1), np.stack([2 * q + i % 2 for i in range(4)], axis=1)
+        a_rows, a_cols, d_rows, d_cols = _fragments(lane, len(d))
+        b_rows = np.stack([lane % 4 * 2 + 8 * j + h for j in range(2) for h in (0, 1)], axis=1)
         for warp in range(self.threads // 32):
-            threads = slice(32 * warp, 32 * warp + 32)
+            threads = np.arange(32 * warp, 32 * warp + 32)
             A, B = np.zeros((16, 16)), np.zeros((16, 8))
             A[a_rows, a_cols] = self._fragment(a, parts[7])[threads]
-            B[b_rows, g[:, None]] = self._fragment(b, parts[8])[threads]
-            self._accumulate(d, c, A @ B, np.arange(self.threads)[threads], d_rows, d_cols)
+            B[b_rows, lane[:, None] // 4] = self._fragment(b, parts[8])[threads]
+            self._accumulate(d, c, A @ B, threads, d_rows, d_cols)
 
     def wgmma(self, parts: list[str], ops: list[str]) -> None:
         """wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} d, a, b-desc, scale-d,
         imm-scale-a, imm-scale-b, imm-trans-b, per warpgroup (4 warps), with A [64, 16] in
-        registers (warp w holds rows 16 w .. 16 w + 15 as mma.sync's A) and B [16, N] in shared
-        memory as its descriptor says. D: warp w's rows; element i is row 16 w + g + 8 (i % 4 // 2),
-        column 8 (i // 4) + 2 q + i % 2. Done as issued: PTX leaves the registers and shared
-        operands of a product in flight untouched until wgmma.wait_group, so the result is the same."""
+        registers and B [16, N] in shared memory as its descriptor says (`_shared_matrix`). Warp
+        w of the group holds rows 16 w .. 16 w + 15 of A and D, in `_fragments`. Done as issued:
+        PTX leaves the registers and shared operands of a product in flight untouched until
+        wgmma.wait_group, so the result is the same."""
         m, n, k = (int(v) for v in re.fullmatch(r"m(\d+)n(\d+)k(\d+)", parts[4]).groups())
         kind = parts[6]
         assert (m, k) == (64, 16) and parts[5] == "f32" and kind == parts[7] and kind in ("f16", "bf16") and ops[1].startswith("{"), \
@@ -427,11 +434,8 @@ class Block:
         scale_d, scale_a, scale_b, transposed = self.value(ops[3]), int(ops[4], 0), int(ops[5], 0), int(ops[6], 0)
         assert not transposed, "the emulator has no wgmma with B in MN-major order"
         t = np.arange(128)
-        w, g, q = t // 32, t % 32 // 4, t % 4
-        a_rows = np.stack([16 * w + g + 8 * (j % 2) for j in range(4) for _ in (0, 1)], axis=1)
-        a_cols = np.stack([2 * q + 8 * (j // 2) + h for j in range(4) for h in (0, 1)], axis=1)
-        d_rows = np.stack([16 * w + g + 8 * (i % 4 // 2) for i in range(len(d))], axis=1)
-        d_cols = np.stack([8 * (i // 4) + 2 * q + i % 2 for i in range(len(d))], axis=1)
+        a_rows, a_cols, d_rows, d_cols = _fragments(t % 32, len(d))
+        a_rows, d_rows = a_rows + 16 * (t // 32)[:, None], d_rows + 16 * (t // 32)[:, None]  # warp w: rows 16 w ..
         for group in range(self.threads // 128):
             threads = np.arange(128 * group, 128 * group + 128)
             descriptor = self.value(ops[2])[threads]
