@@ -150,7 +150,7 @@ def validation_problem(facts: ArtifactFacts) -> str | None:
     if facts.validation is None:
         return f"{facts.folder} holds packed weights but no validation report; run `lmpress validate {facts.folder}`" if packed else None
     failures = validation_failures(facts.validation, facts.folder)
-    return f"{facts.folder}'s kernel validation failed: {failures[0]}" if failures else None
+    return f"{facts.folder}'s kernel validation failed: {failures[0]} (`lmpress validate {facts.folder}` checks again and bundles the kernels it checked)" if failures else None
 
 
 # --------------------------------------------------------------------------- the model card

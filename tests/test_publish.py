@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -124,6 +125,7 @@ def test_dry_run_writes_the_upload_folder_without_a_token_or_network(quantized, 
 
 def test_publish_refuses_bad_input_and_reports_hub_failures_in_one_line(quantized, tmp_path, monkeypatch):
     from pipelines.publish import PublishConfig, publish
+    from pipelines.serving import validate
 
     artifact, _ = quantized
     in_process_client(monkeypatch, tmp_path)
@@ -163,7 +165,10 @@ def test_publish_refuses_bad_input_and_reports_hub_failures_in_one_line(quantize
     publish(older, PublishConfig(repo_id="tester/x", dry_run=True), tmp_path / "older-upload")
     assert f"| triton-packed-matmul | `{bundled}` |" in (tmp_path / "older-upload" / "README.md").read_text()
     (older / bundled).write_text("# edited\n")
-    refused(older, f"validation failed: {bundled} is missing or is not the triton-packed-matmul source that was validated", dry_run=True)
+    refused(older, f"validation failed: {bundled} is missing or is not the triton-packed-matmul source that was validated "
+                   f"\\(`lmpress validate {re.escape(str(older))}` checks again", dry_run=True)
+    validate(older)  # the fix the refusal names
+    publish(older, PublishConfig(repo_id="tester/x", dry_run=True), tmp_path / "revalidated-upload")
 
     with LocalHub() as hub:
         endpoint = {"endpoint": hub.url, "timeout": 2.0}
