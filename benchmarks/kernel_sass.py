@@ -6,6 +6,8 @@ the compiler made of them: machine instructions (SASS) counted by opcode.
                                                                       # each path's PTX, emulated, matches the reference; or exit 1
     python benchmarks/kernel_sass.py --gemv-layouts                   # the int4 GEMV's loop per launch shape and layout
     python benchmarks/kernel_sass.py --gemm-layouts [--bits 8]        # the same for the GEMM (int8: results/gemm_layouts_sass_int8)
+    python benchmarks/kernel_sass.py --every-launch                   # every launch shape the tuner may pick, emulated
+                                                                      # (results/every_launch_emulated.json)
 
 Triton ships ptxas and cuobjdump, so lowering to Hopper machine code needs no GPU. This
 catches what the interpreter cannot (it runs the Python, not the compiler: a kernel can pass
@@ -222,7 +224,6 @@ def case_sass(module, name: str, constexprs: dict, activations: str, aligned: bo
     return disassemble(compiled) if compiled is not None else ""
 
 
-EMULATED = ("_grid_gemv_kernel", "_gemv_kernel", "_grid_gemm_kernel", "_gemm_kernel", "_dequantize_kernel")
 BATCH = 5  # the GEMMs' rows of x: fewer than any BLOCK_M, so the mask along M runs
 
 
@@ -244,13 +245,13 @@ def served_width(constexprs: dict) -> int:
     raise ValueError(f"no layer of whole groups has its blocks along K {'whole' if constexprs['EVEN'] else 'partial'}: the case is never served")
 
 
-def emulated_error(compiled, name: str, constexprs: dict, activations: str = "fp16", rows: int = 32) -> float:
-    """A kernel (one of EMULATED: every one lmpress serves) as compiled for sm_90
-    (`activations`: x's and y's dtype), run on the CPU by benchmarks/ptx_emulator.py on a random
-    weight of the case's kind: the output's error relative to the torch reference. The GEMVs
-    take one row of x, the GEMMs BATCH. The grid kernels get a layer `served_width` wide; the
-    general kernels a per-channel weight 1056 wide, not a whole number of their blocks; both
-    fewer rows than a block."""
+def emulated_error(compiled, name: str, constexprs: dict, activations: str = "fp16") -> float:
+    """A kernel (any of CASES) as compiled for sm_90 (`activations`: x's and y's dtype), run on
+    the CPU by benchmarks/ptx_emulator.py on a random weight of the case's kind: the output's error relative to the torch reference. The GEMVs
+    take one row of x and 32 rows of weight; the GEMMs BATCH rows of x and a block and 8 rows of
+    weight (so every warpgroup's product is checked, and the mask along N runs). The grid
+    kernels get a layer `served_width` wide; the general kernels a per-channel weight 1056 wide,
+    not a whole number of their blocks."""
     import torch
 
     from benchmarks.ptx_emulator import launch
@@ -258,6 +259,8 @@ def emulated_error(compiled, name: str, constexprs: dict, activations: str = "fp
 
     kind = ("2:4 " if constexprs["SPARSE24"] else "") + ("codebook" if constexprs["CODEBOOK"] else "asymmetric" if constexprs["HAS_ZERO"] else "symmetric")
     batch = BATCH if "gemm" in name else 1
+    # the weight's rows: the GEMMs a whole block (each warpgroup's wgmma rows checked) and a partial one, the GEMVs 32
+    rows = constexprs["BLOCK_N"] + 8 if "gemm" in name else 32
     if name.startswith("_grid"):
         group = None if constexprs["GROUP"] == 0 or constexprs["CODEBOOK"] else constexprs["GROUP"] * (2 if constexprs["SPARSE24"] else 1)
         columns = served_width(constexprs)
@@ -357,12 +360,48 @@ def layouts(kernel: str, out: Path, bits: int = 4, baseline: Path | None = None)
     print("\n".join(lines))
 
 
+# the kinds --every-launch runs each launch shape on: how CUDA serves 4- and 3-bit grids (interleaved)
+LAUNCH_KINDS = {"int4, group 128, interleaved": dict(GRID, PTX=True, INTERLEAVED=True),
+                "int3 asymmetric, group 128, interleaved": dict(GRID, BITS=3, HAS_ZERO=True, PTX=True, INTERLEAVED=True)}
+
+
+def every_launch(out: Path) -> None:
+    """Each launch shape the autotuner may pick (GEMV_CONFIGS and GEMM_CONFIGS: warps, pipeline
+    stages and split-K as configured) compiled for sm_90 with fp16 activations and emulated on
+    each of LAUNCH_KINDS, its blocks along K whole as on 4096-wide layers: y's error against the
+    reference. What a GPU's `every_tuned` test checks, as compiled, without a GPU."""
+    rows, failed = [], []
+    for config in packed_int.GEMV_CONFIGS + packed_int.GEMM_CONFIGS:
+        name = "_grid_gemm_kernel" if "BLOCK_M" in config.kwargs else "_grid_gemv_kernel"
+        for title, kind in LAUNCH_KINDS.items():
+            constexprs = {**kind, **config.kwargs}
+            constexprs["EVEN"] = packed_int._k_blocks(4096, constexprs)[1]
+            launch = ", ".join(f"{key} {value}" for key, value in config.kwargs.items()) + f", {config.num_warps} warps, {config.num_stages} stages"
+            try:
+                compiled = compile_for(getattr(packed_int, name), taken(getattr(packed_int, name), constexprs), "fp16",
+                                       num_warps=config.num_warps, num_stages=config.num_stages)
+                error = emulated_error(compiled, name, constexprs)
+            except Exception as problem:  # noqa: BLE001  (a compile error, fault or missing instruction is the finding)
+                failed.append(f"{launch} on {title}: {type(problem).__name__}: {str(problem)[:200]}")
+                continue
+            rows.append({"kernel": "GEMM" if "gemm" in name else "GEMV", "launch": launch, "kind": title, "rel_error": error})
+            print(json.dumps(rows[-1]), flush=True)
+            if not error <= EMULATED_TOLERANCE["fp16"]:
+                failed.append(f"{launch} on {title}: emulated y is {error:.1e} off the reference")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"target": "sm_90, fp16 activations", "triton": triton.__version__, "rows": rows,
+                                                    "failed": failed}, indent=2) + "\n")
+    print("\n".join(failed) or f"all {len(rows)} launches, emulated, within {max(r['rel_error'] for r in rows):.1e} of the reference")
+    raise SystemExit(1 if failed else 0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true", help="compile every case for fp16 and bf16 activations; exit 1 on a failure")
     parser.add_argument("--baseline", type=Path, help="an earlier compressors/packed_int.py to count side by side")
     parser.add_argument("--gemv-layouts", action="store_true", help="the int4 GEMV's loop at each launch shape, unit order and interleaved")
     parser.add_argument("--gemm-layouts", action="store_true", help="the same for the int4 GEMM")
+    parser.add_argument("--every-launch", action="store_true", help="emulate every launch shape the tuner may pick; exit 1 on a failure")
     parser.add_argument("--bits", type=int, default=4, help="with --gemv-layouts / --gemm-layouts: 3, 4 or 8")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_sass")
     args = parser.parse_args()
@@ -370,6 +409,8 @@ def main() -> None:
     if args.gemv_layouts or args.gemm_layouts:
         kernel = "gemv" if args.gemv_layouts else "gemm"
         return layouts(kernel, args.out.with_name(f"{kernel}_layouts_sass" + (f"_int{args.bits}" if args.bits != 4 else "")), args.bits, args.baseline)
+    if args.every_launch:
+        return every_launch(args.out.with_name("every_launch_emulated"))
     if args.check:
         failed, spilled, errors = [], [], []
         for title, name, constexprs in CASES:
@@ -386,7 +427,7 @@ def main() -> None:
                     cause = error.__cause__ or error  # a CompilationError quotes the source; its cause says what failed
                     failed.append(f"{case}: {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]}")
                     continue
-                if name in EMULATED and not aligned and (activations == "fp16" or "x_ptr" in getattr(packed_int, name).arg_names):
+                if not aligned and (activations == "fp16" or "x_ptr" in getattr(packed_int, name).arg_names):
                     # what the GPU would run, run here (the dequantize kernel once: it takes no activations)
                     try:
                         errors.append((activations, emulated_error(compiled, name, constexprs, activations)))

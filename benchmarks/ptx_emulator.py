@@ -257,11 +257,12 @@ class Block:
         if name == "cp":  # cp.async.cg.shared.global [shared], [global], 16, bytes: copy `bytes`, zero the rest
             size, copied = int(ops[2], 0), self.value(ops[3]) if len(ops) > 3 else np.full(self.threads, int(ops[2], 0), np.uint64)
             target, source = self.address(ops[0]), self.address(ops[1])
-            for thread in np.flatnonzero(threads):
-                data = np.zeros(size, np.uint8)
-                if copied[thread]:
-                    data[:copied[thread]] = self.memory.bytes[self.memory._index(source[thread:thread + 1], int(copied[thread]), 1)[0]]
-                self.shared.bytes[self.shared._index(target[thread:thread + 1], size, 1)[0]] = data
+            for count in np.unique(copied[threads]):  # the threads copying `count` bytes, together
+                chosen = threads & (copied == count)
+                data = np.zeros((int(chosen.sum()), size), np.uint8)
+                if count:
+                    data[:, :count] = self.memory.bytes[self.memory._index(source[chosen], int(count), 1)]
+                self.shared.bytes[self.shared._index(target[chosen], size, 1)] = data
             return
         if name in ("stmatrix", "ldmatrix"):
             self.matrix(name == "ldmatrix", parts, ops, active)
