@@ -247,11 +247,11 @@ def served_width(constexprs: dict) -> int:
 
 def emulated_error(compiled, name: str, constexprs: dict, activations: str = "fp16") -> float:
     """A kernel (any of CASES) as compiled for sm_90 (`activations`: x's and y's dtype), run on
-    the CPU by benchmarks/ptx_emulator.py on a random weight of the case's kind: the output's error relative to the torch reference. The GEMVs
-    take one row of x and 32 rows of weight; the GEMMs BATCH rows of x and a block and 8 rows of
-    weight (so every warpgroup's product is checked, and the mask along N runs). The grid
-    kernels get a layer `served_width` wide; the general kernels a per-channel weight 1056 wide,
-    not a whole number of their blocks."""
+    the CPU by benchmarks/ptx_emulator.py on a random weight of the case's kind: the output's
+    error relative to the torch reference. The GEMVs take one row of x and 32 rows of weight;
+    the GEMMs BATCH rows of x and a block and 8 rows of weight (so every warpgroup's product is
+    checked, and the mask along N runs). The grid kernels get a layer `served_width` wide; the
+    general kernels a per-channel weight 1056 wide, not a whole number of their blocks."""
     import torch
 
     from benchmarks.ptx_emulator import launch
@@ -259,7 +259,6 @@ def emulated_error(compiled, name: str, constexprs: dict, activations: str = "fp
 
     kind = ("2:4 " if constexprs["SPARSE24"] else "") + ("codebook" if constexprs["CODEBOOK"] else "asymmetric" if constexprs["HAS_ZERO"] else "symmetric")
     batch = BATCH if "gemm" in name else 1
-    # the weight's rows: the GEMMs a whole block (each warpgroup's wgmma rows checked) and a partial one, the GEMVs 32
     rows = constexprs["BLOCK_N"] + 8 if "gemm" in name else 32
     if name.startswith("_grid"):
         group = None if constexprs["GROUP"] == 0 or constexprs["CODEBOOK"] else constexprs["GROUP"] * (2 if constexprs["SPARSE24"] else 1)
