@@ -3,6 +3,7 @@
     python benchmarks/gemv_gluon.py [--shapes 4096x4096,...] [--out DIR]   # on a CUDA GPU
     python benchmarks/gemv_gluon.py --sass                                 # here: sm_90 loop counts
     python benchmarks/gemv_gluon.py --emulate [--launches 0,5,...]         # here: each launch's sm_90 PTX run on the CPU
+    python benchmarks/gemv_gluon.py --traffic                              # here: what each batch-1 GEMV reads, counted in its PTX
 
 The kernel is compressors/packed_int_gluon.py (int4 symmetric grids, fp16 x at batch 1), which
 serving times against the grid GEMV per layer shape and picks where it is faster. This script
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-if "--sass" in sys.argv or "--emulate" in sys.argv:  # compile for sm_90, not interpret: set before triton is imported
+if {"--sass", "--emulate", "--traffic"} & set(sys.argv):  # compile for sm_90, not interpret: set before triton is imported
     os.environ["TRITON_INTERPRET"] = "0"
 
 from compressors.packed_int_gluon import LAUNCHES, Launch, gemv_gluon, run  # noqa: E402
@@ -83,18 +84,72 @@ def emulated(launches: list[Launch], rows: int = 32, columns: int = 4096) -> lis
     return results
 
 
+def traffic(rows: int = 64, columns: int = 4096) -> list[dict]:
+    """What each batch-1 int4 GEMV reads, counted by running its sm_90 PTX (compiled as on
+    4096-wide layers) on the CPU: the served Gluon launches and the grid GEMV at its GEMV_CONFIGS
+    (both interleaved, as CUDA serves), on `rows` x `columns` in groups of 128. Per array (the
+    weight's words, its scales, x): bytes asked for and the 32-byte sectors the warps' accesses
+    touch, per byte of the weight (words and scales: what must come from device memory), and
+    the share of each sector's bytes used. Counted in PTX: ptxas may merge a thread's repeated
+    loads of one address (the Gluon kernel's scale, loaded per word in PTX, is one LDG.E.U16 a
+    row in its SASS). Not a timing: it shows where a kernel reads more than it must, or wastes
+    sectors."""
+    import numpy as np
+    import torch
+
+    from benchmarks.kernel_sass import GRID, compile_for, taken
+    from benchmarks.ptx_emulator import launch as emulate
+    from compressors import packed_int
+    from compressors.packed_int_gluon import SERVED
+
+    weight = packed_int.random_packed_weight(4, rows, columns, 128).interleave()
+    x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).half()
+    needed = weight.packed.numel() * 4 + weight.scale.numel() * 2  # bytes the weight is: read once, at best
+    kernels = []
+    for launch in SERVED:
+        kernels.append((f"Gluon {launch}", compiled(launch, 1).asm["ptx"], (rows // launch.block_n,),
+                        [x.numpy(), weight.packed.numpy(), weight.scale.numpy(), np.zeros(rows, np.float16), rows, columns,
+                         weight.packed.stride(0), weight.scale.stride(0)], {0: "x", 1: "words", 2: "scales"}))
+    _, tensors, strides, flags = weight._launch
+    for config in packed_int.GEMV_CONFIGS:
+        if config.kwargs["SPLIT_K"] > 1:
+            continue  # split-K reads what its unsplit launch reads
+        constexprs = taken(packed_int._grid_gemv_kernel, {**GRID, **flags, **config.kwargs, "PTX": True, "EVEN": True})
+        ptx = compile_for(packed_int._grid_gemv_kernel, constexprs, num_warps=config.num_warps, num_stages=config.num_stages, aligned=True).asm["ptx"]
+        shape = ", ".join(f"{key} {value}" for key, value in config.kwargs.items() if key != "SPLIT_K")
+        kernels.append((f"grid GEMV {shape}, {config.num_warps} warps", ptx, (rows // config.kwargs["BLOCK_N"], 1),
+                        [x.numpy(), *(t.numpy() for t in tensors), np.zeros(rows, np.float16), rows, columns, *strides],
+                        {0: "x", 1: "words", 2: "scales"}))
+    results = []
+    for name, ptx, grid, args, arrays in kernels:
+        counted: dict = {}
+        emulate(ptx, grid, args, traffic=counted)
+        row = {"kernel": name}
+        for index, what in arrays.items():
+            entry = counted.get(index, {"requested": 0, "sectors": 0, "distinct": 0})
+            row[what] = {"requested_per_weight_byte": entry["requested"] / needed, "sectors_per_weight_byte": 32 * entry["sectors"] / needed,
+                         "sector_use": entry["requested"] / max(32 * entry["sectors"], 1), "distinct_per_weight_byte": entry["distinct"] / needed}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096")
     parser.add_argument("--sass", action="store_true")
     parser.add_argument("--emulate", action="store_true", help="run each launch's sm_90 PTX on the CPU against the reference; exit 1 if one is off")
     parser.add_argument("--launches", help="with --emulate: indices into LAUNCHES (default: all)")
+    parser.add_argument("--traffic", action="store_true", help="count what each batch-1 GEMV reads, running its PTX on the CPU")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_gluon"))
     parser.add_argument("--compile-workers", type=int, default=0, help="compile the served GEMV's launch shapes first in this many processes")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.sass:
         (args.out / "gemv_gluon_sass.json").write_text(json.dumps(sass_counts(), indent=1))
+        return
+    if args.traffic:
+        (args.out / "gemv_traffic.json").write_text(json.dumps(traffic(), indent=1))
         return
     if args.emulate:
         from benchmarks.kernel_sass import EMULATED_TOLERANCE

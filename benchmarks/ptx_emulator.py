@@ -140,6 +140,7 @@ class Memory:
     """A memory space (global, or a block's shared): numpy arrays in one byte array at 256-byte aligned addresses."""
 
     def __init__(self, arrays: list[np.ndarray], base: int = 1 << 20):  # global: no valid pointer is near 0
+        self.traffic: dict[int, dict] | None = None  # reads per array, when counted (`launch(traffic=...)`)
         self.base, self.addresses, offset = base, [], 0
         for array in arrays:
             self.addresses.append(base + offset)
@@ -164,6 +165,24 @@ class Memory:
         if np.any(outside):
             raise MemoryError(f"access outside the arrays at {[hex(int(a)) for a in address[outside][:4]]}")
         return start[:, None] + np.arange(width * vector)
+
+    def count(self, address: np.ndarray, size: int, threads: np.ndarray) -> None:
+        """Count one read instruction (threads `threads` reading `size` bytes at `address`) into
+        `traffic`, per array: the bytes asked for, the 32-byte sectors each warp's access touches
+        (what the memory system moves for it: a thread's access of at most 32 bytes spans one or
+        two), and the distinct sectors read over the kernel (what a perfect cache would fetch)."""
+        if self.traffic is None or not len(address):
+            return
+        start = address.astype(np.int64) - self.base
+        array = np.searchsorted(self.starts, start, side="right") - 1
+        warp = (threads.astype(np.int64) // 32) << 40
+        keys, owner = np.concatenate([warp | start // 32, warp | (start + size - 1) // 32]), np.concatenate([array, array])
+        for a in np.unique(array):
+            entry = self.traffic.setdefault(int(a), {"requested": 0, "sectors": 0, "distinct": set()})
+            entry["requested"] += size * int((array == a).sum())
+            touched = np.unique(keys[owner == a])
+            entry["sectors"] += len(touched)
+            entry["distinct"].update((touched & ((1 << 40) - 1)).tolist())
 
     def load(self, address: np.ndarray, width: int, vector: int) -> list[np.ndarray]:
         raw = self.bytes[self._index(address, width, vector)]
@@ -262,6 +281,7 @@ class Block:
                 data = np.zeros((int(chosen.sum()), size), np.uint8)
                 if count:
                     data[:, :count] = self.memory.bytes[self.memory._index(source[chosen], int(count), 1)]
+                    self.memory.count(source[chosen], int(count), np.flatnonzero(chosen))
                 self.shared.bytes[self.shared._index(target[chosen], size, 1)] = data
             return
         if name in ("stmatrix", "ldmatrix"):
@@ -313,6 +333,7 @@ class Block:
                 if threads.any():
                     for whole, part in zip(loaded, memory.load(address[threads], width, vector)):
                         whole[threads] = part
+                    memory.count(address[threads], width * vector, np.flatnonzero(threads))
                 for target, bits in zip(targets, loaded):
                     self.write(target, bits, active)
             else:
@@ -549,10 +570,12 @@ def run(asm: str, constraints: str, inputs: list[int | float]) -> list[int | flo
     return [reader[kind](block.regs[f"${i}"]) for i, kind in enumerate(outputs)]
 
 
-def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int]) -> None:
+def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffic: dict | None = None) -> None:
     """A compiled kernel's every block (`grid`: blocks along x, y, z), one after another, on `args` (numpy arrays for its
     pointers, written back in place; ints for its integers) in its parameter order. Parameters
-    past `args` (Triton's scratch pointers) are null."""
+    past `args` (Triton's scratch pointers) are null. With a `traffic` dict, its global reads
+    are counted into it, by the index of the array among `args`' arrays (`Memory.count`; the
+    distinct sectors as bytes)."""
     entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", ptx)
     names = re.findall(r"\.param\s+[^\n]*?(\w+_param_\d+)", entry.group(2))
     threads = int(re.search(r"\.reqntid\s+(\d+)", ptx).group(1))
@@ -562,6 +585,7 @@ def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int]) -> Non
     body = body[:body.find("\t.file") if "\t.file" in body else len(body)]
     arrays = [a for a in args if isinstance(a, np.ndarray)]
     memory = Memory(arrays)
+    memory.traffic = traffic
     pointer = iter(memory.addresses)
     values = [next(pointer) if isinstance(a, np.ndarray) else int(a) & 0xFFFFFFFF for a in args]
     params = {name: values[i] if i < len(values) else 0 for i, name in enumerate(names)}
@@ -569,3 +593,5 @@ def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int]) -> Non
         # Triton's shared memory is `extern` (sized at launch): give the most a block may have on sm_90
         Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0).execute(body)
     memory.read_back(arrays)
+    for entry in (traffic or {}).values():
+        entry["distinct"] = 32 * len(entry["distinct"])
