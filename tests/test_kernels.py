@@ -452,17 +452,22 @@ $L__loop:
 
 
 def test_ptx_emulator_runs_a_kernel_and_faults_where_a_gpu_would():
-    """benchmarks/ptx_emulator.py, which runs the compiled GEMVs on the CPU (the Hopper compile
+    """benchmarks/ptx_emulator.py, which runs the compiled kernels on the CPU (the Hopper compile
     check above; benchmarks/gemv_gluon.py --emulate), on a hand-written kernel: a loop, warp
-    shuffles, a predicated store, two blocks. A read past the data or a misaligned one raises,
-    as it would fault on a GPU; so does a branch its threads take apart, which lockstep cannot run."""
+    shuffles, a predicated store, two blocks, and what it reads counted (--traffic). A read past
+    the data or a misaligned one raises, as it would fault on a GPU; so does a branch its
+    threads take apart, which lockstep cannot run."""
     import numpy as np
     from benchmarks.ptx_emulator import launch
 
     x = np.random.default_rng(0).standard_normal(2 * 64 * 3).astype(np.float32)
     out = np.zeros(4, np.float32)
-    launch(_SUM_PTX, (2,), [x, out, 3])
+    counted = {}
+    launch(_SUM_PTX, (2,), [x, out, 3], traffic=counted)
     np.testing.assert_allclose(out, x.reshape(4, 96).sum(axis=1), rtol=1e-5)
+    # each thread reads its 3 floats one at a time: 12 bytes apart across a warp, so each load
+    # instruction touches 3x the 32-byte sectors it needs; every byte of x is read once
+    assert counted == {0: {"requested": x.nbytes, "sectors": 3 * x.nbytes // 32, "distinct": x.nbytes}}
     with pytest.raises(MemoryError, match="outside the arrays"):
         launch(_SUM_PTX, (2,), [x[:300].copy(), out, 3])
     with pytest.raises(MemoryError, match="misaligned"):
