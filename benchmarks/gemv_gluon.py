@@ -105,27 +105,28 @@ def traffic(rows: int = 64, columns: int = 4096) -> list[dict]:
     weight = packed_int.random_packed_weight(4, rows, columns, 128).interleave()
     x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).half()
     needed = weight.packed.numel() * 4 + weight.scale.numel() * 2  # bytes the weight is: read once, at best
-    kernels = []
+    kernels = []  # (name, ptx, grid, arguments); both kernels take x, then the words, then the scales
     for launch in SERVED:
         kernels.append((f"Gluon {launch}", compiled(launch, 1).asm["ptx"], (rows // launch.block_n,),
                         [x.numpy(), weight.packed.numpy(), weight.scale.numpy(), np.zeros(rows, np.float16), rows, columns,
-                         weight.packed.stride(0), weight.scale.stride(0)], {0: "x", 1: "words", 2: "scales"}))
+                         weight.packed.stride(0), weight.scale.stride(0)]))
     _, tensors, strides, flags = weight._launch
     for config in packed_int.GEMV_CONFIGS:
         if config.kwargs["SPLIT_K"] > 1:
             continue  # split-K reads what its unsplit launch reads
-        constexprs = taken(packed_int._grid_gemv_kernel, {**GRID, **flags, **config.kwargs, "PTX": True, "EVEN": True})
-        ptx = compile_for(packed_int._grid_gemv_kernel, constexprs, num_warps=config.num_warps, num_stages=config.num_stages, aligned=True).asm["ptx"]
+        constexprs = {**GRID, **flags, **config.kwargs, "PTX": True}
+        constexprs["EVEN"] = packed_int._k_blocks(columns, constexprs)[1]
+        ptx = compile_for(packed_int._grid_gemv_kernel, taken(packed_int._grid_gemv_kernel, constexprs), num_warps=config.num_warps,
+                          num_stages=config.num_stages, aligned=True).asm["ptx"]
         shape = ", ".join(f"{key} {value}" for key, value in config.kwargs.items() if key != "SPLIT_K")
         kernels.append((f"grid GEMV {shape}, {config.num_warps} warps", ptx, (rows // config.kwargs["BLOCK_N"], 1),
-                        [x.numpy(), *(t.numpy() for t in tensors), np.zeros(rows, np.float16), rows, columns, *strides],
-                        {0: "x", 1: "words", 2: "scales"}))
+                        [x.numpy(), *(t.numpy() for t in tensors), np.zeros(rows, np.float16), rows, columns, *strides]))
     results = []
-    for name, ptx, grid, args, arrays in kernels:
+    for name, ptx, grid, args in kernels:
         counted: dict = {}
         emulate(ptx, grid, args, traffic=counted)
         row = {"kernel": name}
-        for index, what in arrays.items():
+        for index, what in enumerate(("x", "words", "scales")):
             entry = counted.get(index, {"requested": 0, "sectors": 0, "distinct": 0})
             row[what] = {"requested_per_weight_byte": entry["requested"] / needed, "sectors_per_weight_byte": 32 * entry["sectors"] / needed,
                          "sector_use": entry["requested"] / max(32 * entry["sectors"], 1), "distinct_per_weight_byte": entry["distinct"] / needed}

@@ -93,6 +93,11 @@ def _prmt(a: np.ndarray, b: np.ndarray, selector: np.ndarray) -> np.ndarray:
     return out
 
 
+def _registers(operand: str) -> list[str]:
+    """A `{%r1, %r2, ...}` vector operand (or a lone register) as its register names."""
+    return [name.strip() for name in operand.strip("{} ").split(",")]
+
+
 def _split_operands(text: str) -> list[str]:
     return [part.strip() for part in re.split(r",(?![^{]*})(?![^\[]*\])", text)] if text.strip() else []
 
@@ -305,12 +310,12 @@ class Block:
             return
         if name == "mov":
             if ops[0].startswith("{"):  # unpack into parts
-                targets = [t.strip() for t in ops[0].strip("{}").split(",")]
+                targets = _registers(ops[0])
                 width, source = _WIDTH[kind[1:]] // len(targets), self.value(ops[1])
                 for i, target in enumerate(targets):
                     self.write(target, source >> np.uint64(width * i) & np.uint64((1 << width) - 1), active)
             elif ops[1].startswith("{"):  # pack parts
-                sources = [t.strip() for t in ops[1].strip("{}").split(",")]
+                sources = _registers(ops[1])
                 width, out = _WIDTH[kind[1:]] // len(sources), np.zeros(self.threads, np.uint64)
                 for i, source in enumerate(sources):
                     out |= (self.value(source) & np.uint64((1 << width) - 1)) << np.uint64(width * i)
@@ -327,7 +332,7 @@ class Block:
                 self.write(ops[0], np.full(self.threads, self.params[ops[1].strip("[] ")], np.uint64), active)
                 return
             if name == "ld":
-                targets = [t.strip() for t in ops[0].strip("{} ").split(",")]
+                targets = _registers(ops[0])
                 address = self.address(ops[1])
                 loaded = [np.zeros(self.threads, np.uint64) for _ in targets]
                 if threads.any():
@@ -337,7 +342,7 @@ class Block:
                 for target, bits in zip(targets, loaded):
                     self.write(target, bits, active)
             else:
-                values = [self.value(t) for t in ops[1].strip("{} ").split(",")]
+                values = [self.value(t) for t in _registers(ops[1])]
                 if threads.any():
                     memory.store(self.address(ops[0])[threads], [v[threads] for v in values], width)
             return
@@ -390,7 +395,7 @@ class Block:
         matrix is transposed in memory (that word's two halves are rows 2 (t % 4), + 1 at column t // 4)."""
         assert parts[3] == "m8n8" and parts[-1] == "b16" and active is None, f"the emulator has no {'.'.join(parts)}"
         registers, where = (ops[0], ops[1]) if load else (ops[1], ops[0])
-        registers, rows = [t.strip() for t in registers.strip("{} ").split(",")], self.address(where)
+        registers, rows = _registers(registers), self.address(where)
         lane = np.arange(self.threads) % 32
         warp = np.arange(self.threads) - lane
         for i, register in enumerate(registers):
@@ -430,7 +435,7 @@ class Block:
         fragments as `_fragments` says; B [16, 8]: register j of lane l holds column l // 4, rows
         2 (l % 4) + 8 j and + 1."""
         assert parts[3:7] == ["m16n8k16", "row", "col", "f32"] and parts[-1] == "f32", f"the emulator has no {'.'.join(parts)}"
-        d, a, b, c = ([t.strip() for t in op.strip("{} ").split(",")] for op in ops)
+        d, a, b, c = (_registers(op) for op in ops)
         lane = np.arange(32)
         a_rows, a_cols, d_rows, d_cols = _fragments(lane, len(d))
         b_rows = np.stack([lane % 4 * 2 + 8 * j + h for j in range(2) for h in (0, 1)], axis=1)
@@ -452,7 +457,7 @@ class Block:
         kind = parts[6]
         assert (m, k) == (64, 16) and parts[5] == "f32" and kind == parts[7] and kind in ("f16", "bf16") and ops[1].startswith("{"), \
             f"the emulator has no {'.'.join(parts)} {ops[1][:10]}"
-        d, a = ([t.strip() for t in op.strip("{} ").split(",")] for op in ops[:2])
+        d, a = _registers(ops[0]), _registers(ops[1])
         scale_d, scale_a, scale_b, transposed = self.value(ops[3]), int(ops[4], 0), int(ops[5], 0), int(ops[6], 0)
         assert not transposed, "the emulator has no wgmma with B in MN-major order"
         t = np.arange(128)
