@@ -356,9 +356,10 @@ class Block:
             self.write(ops[0], np.where(self.value(ops[3]).astype(bool), self.value(ops[1]), self.value(ops[2])), active)
             return
         if name == "shfl":
-            mode, source, operand = parts[2], self.value(ops[1]), int(self.value(ops[2])[0])
+            # the lane operand may differ across threads (idx: each reads the lane it names)
+            mode, source, operand = parts[2], self.value(ops[1]), (self.value(ops[2]) & np.uint64(31)).astype(np.int64)
             lane = np.arange(self.threads) % 32
-            partner = {"bfly": lane ^ operand, "idx": np.full(self.threads, operand), "down": lane + operand, "up": lane - operand}[mode]
+            partner = {"bfly": lane ^ operand, "idx": operand, "down": lane + operand, "up": lane - operand}[mode]
             partner = np.where((partner < 0) | (partner > 31), lane, partner)
             self.write(ops[0], source[np.arange(self.threads) - lane + partner], active)
             return

@@ -476,6 +476,42 @@ def test_ptx_emulator_runs_a_kernel_and_faults_where_a_gpu_would():
         launch(_SUM_PTX.replace("setp.lt.s32 %p1, %r7, %r1;", "setp.lt.s32 %p1, %r7, %r2;"), (2,), [x, out, 3])
 
 
+# each of 32 threads reads x[lane] and takes the value of lane 5 lane % 32 (a lane per thread,
+# as Gluon's reductions gather their results), stored to out[lane]
+_GATHER_PTX = """
+.visible .entry gather(.param .u64 gather_param_0, .param .u64 gather_param_1)
+.reqntid 32
+{
+    .reg .b32 %r<6>;
+    .reg .b64 %rd<5>;
+    ld.param.b64 %rd1, [gather_param_0];
+    ld.param.b64 %rd2, [gather_param_1];
+    mov.u32 %r1, %tid.x;
+    mul.wide.u32 %rd3, %r1, 4;
+    add.s64 %rd4, %rd1, %rd3;
+    ld.global.b32 %r2, [%rd4 + 0];
+    mul.lo.s32 %r3, %r1, 5;
+    and.b32 %r3, %r3, 31;
+    shfl.sync.idx.b32 %r4, %r2, %r3, 31, -1;
+    add.s64 %rd4, %rd2, %rd3;
+    st.global.b32 [%rd4 + 0], %r4;
+    ret;
+}
+"""
+
+
+def test_ptx_emulator_shuffles_from_the_lane_each_thread_names():
+    """shfl.sync.idx with a lane that differs across threads (the emulator once took thread 0's
+    lane for all, which made every row of a Gluon reduction's result the first row's)."""
+    import numpy as np
+    from benchmarks.ptx_emulator import launch
+
+    x = np.arange(32, dtype=np.float32) + 0.5
+    out = np.zeros(32, np.float32)
+    launch(_GATHER_PTX, (1,), [x, out])
+    np.testing.assert_array_equal(out, x[np.arange(32) * 5 % 32])
+
+
 def test_gluon_gemv_computes_as_compiled_for_hopper(tmp_path):
     """The Gluon GEMV (compressors/packed_int_gluon.py), which no interpreter runs, compiled for
     sm_90 and its PTX run on the CPU (benchmarks/gemv_gluon.py --emulate), in groups of 128 in both
