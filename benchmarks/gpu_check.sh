@@ -14,6 +14,9 @@
 #   gluon     benchmarks/gemv_gluon.py: the batch-1 int4 GEMV written in Gluon (no shared memory in its
 #             loop; compressors/packed_int_gluon.py), at each of its launches, beside fp16 and the grid
 #             GEMV (autotuned, both layouts), and what serving picked per shape (the faster)
+#   mma       benchmarks/gemv_mma.py: the batch-1 int4 GEMV on the tensor cores (an experiment, each
+#             word decoded into its mma.sync fragment), at each of its launches, beside fp16 and the
+#             served GEMV
 #   latency   `lmpress latency --random-weights` on the GPU: the table `search --budget-latency`
 #             counts in (its launches compiled first, in parallel: kernel_speed.py --levels),
 #             from a model's config.json and a level database's manifest.json alone
@@ -27,7 +30,7 @@
 # TESTS_K replaces the tests' selection (e.g. "every_tuned and pipelined": the GEMV launches that
 # copy blocks ahead).
 #
-#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [gemv] [gluon] [latency]   (default: all but gemv and gluon)
+#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [gemv] [gluon] [mma] [latency]   (default: all but gemv, gluon and mma)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lmpress-gpu}
@@ -80,6 +83,10 @@ fi
 if [[ " $STEPS " == *" gluon "* ]]; then
     python3 benchmarks/gemv_gluon.py --compile-workers "${COMPILE_WORKERS:-14}" --out "$OUT/gluon" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     grep -E "best (half2|fp32)|Error" "$LOG" | tail -12
+fi
+if [[ " $STEPS " == *" mma "* ]]; then
+    python3 benchmarks/gemv_mma.py --out "$OUT/mma" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
+    grep -E " best: |Error" "$LOG" | tail -6
 fi
 if [[ " $STEPS " == *" latency "* ]]; then
     if [ -f "$LATENCY/model/config.json" ] && [ -f "$LATENCY/levels/manifest.json" ]; then

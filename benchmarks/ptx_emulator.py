@@ -163,13 +163,17 @@ class Memory:
     def _index(self, address: np.ndarray, width: int, vector: int) -> np.ndarray:
         if np.any(address % np.uint64(width * vector)):
             raise MemoryError(f"misaligned {width * vector}-byte access at {[hex(a) for a in address[address % np.uint64(width * vector) != 0][:4]]}")
-        # inside one array: a kernel reading past its tensor into the next is wrong even where a GPU would not fault
+        return self.inside(address, width * vector)[:, None] + np.arange(width * vector)
+
+    def inside(self, address: np.ndarray, size: int) -> np.ndarray:
+        """The offsets of `size` bytes at each address, each run inside one array: a kernel reading
+        past its tensor into the next is wrong even where a GPU would not fault."""
         start = address.astype(np.int64) - self.base
         array = np.searchsorted(self.starts, start, side="right") - 1
-        outside = (array < 0) | (start + width * vector > self.ends[np.maximum(array, 0)])
+        outside = (array < 0) | (start + size > self.ends[np.maximum(array, 0)])
         if np.any(outside):
             raise MemoryError(f"access outside the arrays at {[hex(int(a)) for a in address[outside][:4]]}")
-        return start[:, None] + np.arange(width * vector)
+        return start
 
     def count(self, address: np.ndarray, size: int, threads: np.ndarray) -> None:
         """Count one read instruction (threads `threads` reading `size` bytes at `address`) into
@@ -278,6 +282,14 @@ class Block:
         if name in ("bar", "barrier", "membar", "fence") or opcode in ("cp.async.commit_group", "cp.async.wait_group"):
             return  # lockstep: every thread is already here, and every copy done (`cp.async` completes at once)
         threads = np.ones(self.threads, bool) if active is None else active
+        if name == "prefetch" or opcode.startswith("cp.async.bulk.prefetch."):  # a cache hint: no value changes, but its bytes must be there
+            address = self.address(ops[0])[threads]
+            sizes = np.broadcast_to(self.value(ops[1]), (self.threads,))[threads] if name == "cp" else np.ones(len(address), np.uint64)
+            for size in np.unique(sizes):  # cp.async.bulk: 16-byte aligned, a multiple of 16 bytes, inside one array
+                if name == "cp" and (size % 16 or np.any(address[sizes == size] % np.uint64(16))):
+                    raise MemoryError(f"bulk prefetch of {int(size)} bytes at {[hex(int(a)) for a in address[sizes == size][:4]]}: not 16-byte aligned")
+                self.memory.inside(address[sizes == size], int(size))
+            return
         if name == "cp":  # cp.async.cg.shared.global [shared], [global], 16, bytes: copy `bytes`, zero the rest
             size, copied = int(ops[2], 0), self.value(ops[3]) if len(ops) > 3 else np.full(self.threads, int(ops[2], 0), np.uint64)
             target, source = self.address(ops[0]), self.address(ops[1])

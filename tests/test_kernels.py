@@ -535,6 +535,27 @@ def test_gluon_gemv_computes_as_compiled_for_hopper(tmp_path):
     assert all(r["rel_error"] <= 2e-3 for r in rows), rows
 
 
+def test_tensor_core_gemv_computes_as_compiled_for_hopper(tmp_path):
+    """The batch-1 GEMV on the tensor cores (benchmarks/gemv_mma.py: each word decodes to its
+    thread's mma.sync fragment; a GPU experiment, not served), compiled for sm_90 and its PTX run
+    on the CPU: with one and several tiles and chunks a thread, warps split along K (summed
+    across warps), and prefetching into L2 (its byte ranges checked to stay inside the weight);
+    groups of 64 and 128 and per channel. The layout's permutation of K is the part a mistake
+    would break: any slip is of order 1."""
+    import subprocess
+    import sys
+
+    from benchmarks.gemv_mma import LAUNCHES, Launch
+
+    chosen = [Launch(1, 4, 1), Launch(2, 2, 4), Launch(1, 4, 2, 2), Launch(2, 4, 1, 2)]
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemv_mma.py")
+    result = subprocess.run([sys.executable, script, "--emulate", "--launches", ",".join(str(LAUNCHES.index(launch)) for launch in chosen),
+                             "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = json.loads((tmp_path / "gemv_mma_emulated.json").read_text())
+    assert len(rows) == 3 * len(chosen) and all(r["rel_error"] <= 2e-3 for r in rows), rows
+
+
 def test_gluon_gemv_serves_only_the_weights_it_fits(monkeypatch):
     """The Gluon GEMV has no masks and decodes symmetric 4-bit words only: a launch takes a weight
     when its groups hold whole words (per channel too) and its rows and K are whole blocks of

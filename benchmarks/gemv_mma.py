@@ -1,0 +1,354 @@
+"""Batch-1 int4 GEMV on the tensor cores (Marlin's approach), an experiment: a weight layout in
+which each thread's 32-bit word decodes straight into its A fragment of `mma.sync.m16n8k16`.
+
+    python benchmarks/gemv_mma.py --emulate          # here: the sm_90 PTX of each launch run on the CPU
+    python benchmarks/gemv_mma.py --sass             # here: sm_90 loop instructions per word
+    python benchmarks/gemv_mma.py [--shapes ...]     # on a CUDA GPU: timed beside fp16 and the served GEMV
+
+Why. The served batch-1 GEMVs multiply on the CUDA cores: per 32-bit word (8 codes) the grid
+GEMV spends about 36 machine instructions and the Gluon one 19-24 (benchmarks/results/
+gemv_gluon_sass.md): decode, then 4 half2 or 8 fp32 FMAs, x regrouped or widened, reductions.
+At 4096x14336 that is a third to half of the kernel's time in instruction issue alone, and the
+batch-1 goal (over 3x fp16) needs the weight streamed at about 0.83 of the copy rate, where
+these read at 0.73. A tensor core takes a whole m16n8k16 product in one instruction: a thread's
+A fragment is 8 fp16 values, exactly what one word's 8 codes decode to (`HALF2_DECODE4`: 9
+instructions, exact integers code - 8). So the product costs about 10 instructions a word, with
+x as B (the same x in all 8 columns; column 0 is y) and the fp32 accumulators as D.
+
+The layout ("mma order", `pack_mma`). The weight in tiles of 16 rows x 64 columns (a chunk);
+in each, thread (g, t) of a warp (lane 4 g + t) holds 4 words, one per k-step j of 16 columns,
+contiguous (one 16-byte load; a warp's 512 bytes contiguous). The mma sums over its 16 k
+positions in any order as long as A and B agree, so the k positions are assigned such that
+thread t's B, x pairs (k 2t, 2t + 1) and (k 2t + 8, 2t + 9), are x columns 64 c + 16 t + 4 j + 0..3:
+its x for a chunk is 16 contiguous fp16 values (two 16-byte loads), not 8 scattered pairs.
+Word j of thread (g, t): nibble e is the code of row 16 r + g + 8 (e % 2), column
+64 c + 16 t + 4 j + 2 (e % 4 // 2) + e // 4, so that the decode's half2 pairs (code e, code e + 4)
+are the fragment's registers (PTX ISA, m16n8k16 .f16 A: rows g / g + 8, k pairs).
+
+Scales: each chunk's 4 products are summed on the tensor core in fp32 from exact codes, then
+multiplied by the chunk's group scale in fp32 (groups of 64 or more columns, or one per row):
+the grid GEMV's fp32 arithmetic, not fp16 sums.
+
+Loads. ptxas places each global load just before its first use (in this kernel's SASS and the
+Gluon GEMV's), so a warp's loads of one iteration go out one round trip after another,
+and a prefetch into registers ends up at the loop's end. The launches with `ahead` therefore
+have one thread of each block prefetch its words and scales into L2 that many iterations ahead
+(cp.async.bulk.prefetch.L2: one instruction for a contiguous run, which the mma order makes an
+iteration's words and scales): the round trips then end in L2.
+
+Stand-alone: int4 symmetric, K a multiple of 64 x the launch's chunks an iteration, N of 16 x
+its tiles (no masks), fp16 x. Not served; its place in serving waits on its GPU timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+if {"--sass", "--emulate"} & set(sys.argv):  # compile for sm_90, not interpret: set before triton is imported
+    os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+
+from compressors.packed_int import HALF2_DECODE4, dequantize_reference  # noqa: E402
+
+CHUNK = 64  # columns of a tile a warp's one 16-byte load a thread covers
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+# four words (j = 0..3: $4-$7) and their x pairs ($8-$11 and $12-$15) -> the chunk's D ($0-$3),
+# four products chained on the tensor core from zero
+MMA_CHUNK = gl.constexpr("{\n.reg .b32 t, h0, h1, h2, h3, c1, c2, c3;\n.reg .f32 z;\nmov.f32 z, 0f00000000;\n" + "".join(
+    HALF2_DECODE4.replace("$1", f"${4 + j}")
+    + f"{MMA} {{$0, $1, $2, $3}}, {{h0, h1, h2, h3}}, {{${8 + j}, ${12 + j}}}, "
+    + ("{z, z, z, z};\n" if j == 0 else "{$0, $1, $2, $3};\n") for j in range(4)) + "}")
+
+
+# one thread of the block asks for $2 bytes from $1 on to be brought into L2: ptxas issues a
+# load where its value is first used (this kernel's SASS and the Gluon GEMV's show loads sunk
+# into the loop, after products that wait on earlier loads), so a warp's loads of an iteration go out one round
+# trip after another; prefetched iterations ahead, those round trips end in L2, not device memory
+PREFETCH_L2 = gl.constexpr("""{
+.reg .pred p;
+.reg .b32 tid;
+mov.u32 tid, %tid.x;
+setp.eq.u32 p, tid, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}""")
+
+
+def pack_mma(weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A symmetric int4 PackedWeight (either layout) in mma order: words [N / 16 x K / 64 x 128]
+    int32, and scales [N / 16 x groups x 16] fp16 (a tile's 16 rows of a group together, so an
+    iteration's scales are one contiguous run)."""
+    n, k = weight.rows, weight.columns
+    assert weight.bits == 4 and weight.zero is None and weight.codebook is None and weight.bitmask is None, "int4 symmetric grids only"
+    assert n % 16 == 0 and k % CHUNK == 0 and (weight.group_size % CHUNK == 0), "N a multiple of 16, K and the group of 64"
+    nibbles = (weight.codes().to(torch.int64) + 8)
+    # rows 16 r + 8 h + g; columns 64 c + 16 t + 4 j + 2 a + b -> word (r, c, g, t, j), nibble e = 4 b + 2 a + h
+    tiles = nibbles.reshape(n // 16, 2, 8, k // CHUNK, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(-1, 8)
+    words = (tiles << (4 * torch.arange(8, device=tiles.device))).sum(dim=1)
+    scale = weight.scale.reshape(n // 16, 16, -1).permute(0, 2, 1).contiguous()
+    return (words - (words >= 2**31) * 2**32).to(torch.int32), scale
+
+
+@gluon.jit
+def _prefetch_l2(pointers, size):
+    gl.inline_asm_elementwise(PREFETCH_L2, "=r,l,r", [pointers, size], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K,
+             GROUP: gl.constexpr, ROWT: gl.constexpr, WK: gl.constexpr, CPW: gl.constexpr, AHEAD: gl.constexpr):
+    # [tiles, chunks a thread, slots]: a thread holds the block's ROWT tiles x CPW chunks x its 4
+    # words; a slot is (warp along K, lane, word)
+    L3: gl.constexpr = gl.BlockedLayout([ROWT, CPW, 4], [1, 1, 32], [1, 1, WK], [2, 1, 0])
+    # x pairs [chunks, threads along K, 8]: a thread's 8 consecutive pairs (16 x values) of a chunk, (j, e) for its words j
+    LX: gl.constexpr = gl.BlockedLayout([CPW, 1, 8], [1, 32, 1], [1, WK, 1], [2, 1, 0])
+    T: gl.constexpr = ROWT  # tiles of 16 rows a block
+    S: gl.constexpr = 128 * WK
+    STEP: gl.constexpr = WK * CPW  # chunks a block an iteration
+    chunks = K // 64
+    groups = K // GROUP
+    r = gl.arange(0, T, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    u = gl.arange(0, CPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    s = gl.arange(0, S, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    tile = gl.expand_dims(gl.expand_dims(gl.program_id(0) * T + r, 1), 2)
+    u3 = gl.expand_dims(gl.expand_dims(u, 0), 2)
+    s3 = gl.expand_dims(gl.expand_dims(s, 0), 1)
+    words_at = packed_ptr + tile * (chunks * 128) + u3 * S + s3  # chunk c0 + u WK + s // 128
+    chunk = u3 * WK + s3 // 128  # after c0
+    # the D element's row in the tile: d0, d1 row g; d2, d3 row g + 8
+    scales_at = scale_ptr + tile * (groups * 16) + s3 % 128 // 16 + 8 * (s3 % 4 // 2)
+    # x pairs of slot (wk, lane, j), chunk c: x columns 64 c + 16 t + 4 j + (0, 1) and + (2, 3): pairs 32 c + 8 t + 2 j + e
+    xu = gl.arange(0, CPW, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
+    xl = gl.arange(0, 32 * WK, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
+    xi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
+    x_at = (x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.expand_dims(gl.expand_dims(xu * (32 * WK), 1), 2)
+            + gl.expand_dims(gl.expand_dims(xl // 32 * 32 + xl % 4 * 8, 0), 2) + gl.expand_dims(gl.expand_dims(xi, 0), 1))
+    LP: gl.constexpr = gl.BlockedLayout([T], [32], [WK], [0])  # the block's tiles, in every thread (thread 0 prefetches)
+    tiles = gl.program_id(0) * T + gl.arange(0, T, layout=LP)
+    acc = gl.zeros([T, CPW, S], gl.float32, L3)
+    if AHEAD:  # the first AHEAD iterations' words and scales into L2
+        _prefetch_l2(packed_ptr + tiles * (chunks * 128), gl.full([T], gl.minimum(AHEAD * STEP, chunks) * 512, gl.int32, LP))
+        _prefetch_l2(scale_ptr + tiles * (groups * 16), gl.full([T], gl.minimum((AHEAD * STEP * 64 + GROUP - 1) // GROUP, groups) * 32, gl.int32, LP))
+    for c0 in range(0, chunks, STEP):
+        if AHEAD:  # iteration + AHEAD's (the last iterations prefetch the last one again)
+            ahead = gl.minimum(c0 + AHEAD * STEP, chunks - STEP)
+            _prefetch_l2(packed_ptr + tiles * (chunks * 128) + ahead * 128, gl.full([T], STEP * 512, gl.int32, LP))
+            first_group = ahead * 64 // GROUP
+            _prefetch_l2(scale_ptr + tiles * (groups * 16) + first_group * 16,
+                         gl.full([T], ((ahead + STEP) * 64 + GROUP - 1) // GROUP - first_group, gl.int32, LP) * 32)
+        w = gl.load(words_at + c0 * 128)
+        xa, xb = gl.split(gl.reshape(gl.load(x_at + c0 * 32), [CPW, S, 2]))
+        xa = gl.broadcast(gl.expand_dims(gl.convert_layout(xa, gl.SliceLayout(0, L3)), 0), w)[0]
+        xb = gl.broadcast(gl.expand_dims(gl.convert_layout(xb, gl.SliceLayout(0, L3)), 0), w)[0]
+        d = gl.inline_asm_elementwise(MMA_CHUNK, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r", [w, xa, xb], dtype=gl.float32, is_pure=True, pack=4)
+        acc += d * gl.load(scales_at + (c0 + chunk) * 64 // GROUP * 16).to(gl.float32)
+    # every column of D is y: keep column 0 (t == 0, even element), rows g (j = 0) and g + 8 (j = 2)
+    total = gl.sum(acc, axis=1)  # [T, S]
+    sl = gl.arange(0, S, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    first = gl.expand_dims(sl % 16 == 0, 0)  # t == 0, j == 0
+    third = gl.expand_dims(sl % 16 == 2, 0)
+    low = gl.sum(gl.sum(gl.reshape(gl.where(first, total, 0.0), [T, WK, 8, 16]), axis=3), axis=1)  # [T, 8]
+    high = gl.sum(gl.sum(gl.reshape(gl.where(third, total, 0.0), [T, WK, 8, 16]), axis=3), axis=1)
+    LY: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WK, 1], [1, 0])
+    low = gl.convert_layout(low, LY)
+    high = gl.convert_layout(high, LY)
+    yr = gl.expand_dims((gl.program_id(0) * T + gl.arange(0, T, layout=gl.SliceLayout(1, LY))) * 16, 1) + gl.expand_dims(
+        gl.arange(0, 8, layout=gl.SliceLayout(0, LY)), 0)
+    gl.store(y_ptr + yr, low.to(gl.float16))
+    gl.store(y_ptr + yr + 8, high.to(gl.float16))
+
+
+class Launch(NamedTuple):
+    rowt: int  # tiles of 16 rows a block (each thread has a word of each)
+    wk: int  # warps, along K
+    cpw: int  # chunks (16-byte loads) a thread per tile an iteration
+    ahead: int = 0  # iterations ahead a block prefetches its words and scales into L2 (0: none)
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.rowt
+
+    @property
+    def chunks(self) -> int:  # chunks of 64 columns a block an iteration
+        return self.wk * self.cpw
+
+    def __str__(self) -> str:
+        return f"{self.block_n}x{64 * self.chunks} ({self.rowt} tile x {self.cpw} chunk a thread), {self.wk} warps" + (f", L2 prefetch {self.ahead} ahead" if self.ahead else "")
+
+
+# A batch-1 GEMV reads each word once, so its speed is bytes in flight: at 4096 rows there are
+# only 256 tiles, so K is split over a block's warps (WK, summed in shared memory at the end), and
+# each thread loads ROWT x CPW 16 bytes an iteration. ptxas issues each load just before its
+# first use, one round trip after another, so half the launches also prefetch into L2.
+LAUNCHES = [Launch(*shape) for shape in [
+    (1, 4, 1), (1, 4, 2), (1, 4, 4), (1, 8, 1), (1, 8, 2), (1, 8, 4), (1, 16, 1), (1, 16, 2), (1, 2, 4), (2, 4, 1), (2, 4, 2), (2, 8, 1),
+    (2, 8, 2), (2, 2, 4), (4, 4, 1), (4, 2, 2),
+    (1, 4, 2, 2), (1, 8, 1, 2), (1, 8, 2, 2), (1, 8, 2, 4), (2, 4, 1, 2), (2, 8, 1, 2), (1, 16, 1, 2), (1, 4, 4, 2),
+]]
+
+
+def fits(n: int, k: int, launch: Launch) -> bool:
+    return n % launch.block_n == 0 and k % (64 * launch.chunks) == 0
+
+
+def run(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, n: int, k: int, launch: Launch, y: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W^T for x [1, K] fp16 and W in mma order (`pack_mma`)."""
+    y = torch.empty(1, n, dtype=torch.float16, device=x.device) if y is None else y
+    gemv_mma[(n // launch.block_n,)](x, words, scale, y, n, k, GROUP=k // scale.shape[1], ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw,
+                                     AHEAD=launch.ahead, num_warps=launch.wk)
+    return y
+
+
+def compiled(launch: Launch, group: int = 128):
+    """The launch compiled for sm_90 (here, no GPU needed), as on 4096-wide layers (aligned)."""
+    from benchmarks.kernel_sass import compile_for
+
+    return compile_for(gemv_mma, dict(GROUP=group, ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead),
+                       num_warps=launch.wk, aligned=True)
+
+
+def emulated(launches: list[Launch]) -> list[dict]:
+    """Each launch compiled for sm_90 and its PTX run on the CPU (benchmarks/ptx_emulator.py) on
+    random weights of two blocks' rows and two iterations' columns (more than `ahead`, so the
+    prefetches reach the end), in groups of 64 and 128 and per channel: y's error relative to the
+    torch reference (fp32 weights, fp16-rounded y)."""
+    import numpy as np
+
+    from benchmarks.ptx_emulator import launch as emulate
+    from compressors.packed_int import random_packed_weight
+
+    results = []
+    for launch in launches:
+        rows, columns = 2 * launch.block_n, CHUNK * launch.chunks * max(2, launch.ahead + 1)
+        x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).half()
+        for group in (64, 128, None):
+            weight = random_packed_weight(4, rows, columns, group, seed=rows + (group or 0))
+            reference = (x.float() @ dequantize_reference(weight).T).half().float()[0]
+            words, scale = pack_mma(weight)
+            y = np.full(rows, np.nan, np.float16)  # rows a launch leaves unwritten show as NaN error
+            emulate(compiled(launch, weight.group_size).asm["ptx"], (rows // launch.block_n,),
+                    [x.numpy(), words.numpy(), scale.numpy(), y, rows, columns])
+            error = ((torch.from_numpy(y).float() - reference).norm() / reference.norm()).item()
+            results.append(dict(launch=str(launch), group=group or "per channel", rel_error=error))
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def sass_counts(launches: list[Launch]) -> list[dict]:
+    """Each launch compiled for sm_90 here: its loop's instructions per word and memory instructions."""
+    import collections
+    import re
+
+    from benchmarks.kernel_sass import disassemble, loop_body
+
+    rows = []
+    for launch in launches:
+        code = disassemble(compiled(launch), usage=True)
+        body = loop_body(code)
+        row = dict(launch=str(launch), registers=int(re.search(r"REG:(\d+)", code).group(1)), loop=len(body),
+                   per_word=round(len(body) / (4 * launch.rowt * launch.cpw), 1),
+                   memory=dict(collections.Counter(op for op in body if op.startswith(("LD", "ST", "BAR")))),
+                   mma=sum(op.startswith("HMMA") for op in body))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+class MmaWeight(NamedTuple):
+    """A weight in mma order, as `weight_seconds` copies it round-robin."""
+
+    words: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.numel() * 4 + self.scale.numel() * 2
+
+    def clone(self) -> "MmaWeight":
+        return MmaWeight(self.words.clone(), self.scale.clone())
+
+
+def timed(shapes: list[str], launches: list[Launch], group: int = 128) -> list[dict]:
+    """On a CUDA GPU: at each N x K, cuBLAS fp16, the served int4 GEMV (interleaved, autotuned,
+    the Gluon GEMV where it times faster: what `matmul_triton` runs) and each fitting launch
+    here, side by side in this run, as GPU time per call (CUDA-graph replays round-robin over
+    L2-overflowing copies of the weight); each launch's y against the reference."""
+    from benchmarks.kernel_speed import copy_bandwidth
+    from compressors.kernels import weight_seconds
+    from compressors.packed_int import matmul_triton, random_packed_weight
+
+    bandwidth = copy_bandwidth("cuda")
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for shape in shapes:
+        n, k = map(int, shape.split("x"))
+        weight = random_packed_weight(4, n, k, group).to("cuda")
+        served = weight.interleave()
+        mma = MmaWeight(*pack_mma(weight))
+        x = torch.randn(1, k, device="cuda", dtype=torch.float16)
+        reference = (x.float() @ dequantize_reference(weight).T).half().float()
+        fp16 = weight_seconds(lambda w: x @ w.T, (torch.randn(n, k, device="cuda") / 50).half())
+        int4 = weight_seconds(lambda w: matmul_triton(x, w), served)
+        print(f"{shape}: fp16 {fp16 * 1e6:.2f} us; served int4 GEMV {int4 * 1e6:.2f} us ({fp16 / int4:.2f}x)", flush=True)
+        for launch in launches:
+            if not fits(n, k, launch):
+                continue
+            try:
+                error = ((run(x, mma.words, mma.scale, n, k, launch).float() - reference).norm() / reference.norm()).item()
+                seconds = weight_seconds(lambda w: run(x, w.words, w.scale, n, k, launch), mma)  # noqa: B023  (timed in this iteration)
+            except Exception as failure:  # noqa: BLE001  (an experiment: report and go on)
+                print(f"{shape} {launch}: {type(failure).__name__}: {str(failure)[:300]}", flush=True)
+                continue
+            rows.append(dict(shape=shape, launch=str(launch), us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2),
+                             vs_served=round(int4 / seconds, 2), rel_error=error, fp16_us=round(fp16 * 1e6, 2), served_us=round(int4 * 1e6, 2),
+                             read_TBps=round(mma.nbytes / seconds / 1e12, 2), bandwidth_fraction=round(mma.nbytes / seconds / bandwidth, 3)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096")
+    parser.add_argument("--launches", help="indices into LAUNCHES (default: all)")
+    parser.add_argument("--sass", action="store_true", help="here: each launch's sm_90 loop, counted")
+    parser.add_argument("--emulate", action="store_true", help="here: each launch's sm_90 PTX run on the CPU; exit 1 if one is off")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_mma"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    chosen = [LAUNCHES[int(i)] for i in args.launches.split(",")] if args.launches else LAUNCHES
+    if args.sass:
+        (args.out / "gemv_mma_sass.json").write_text(json.dumps(sass_counts(chosen), indent=1))
+        return
+    if args.emulate:
+        from benchmarks.kernel_sass import EMULATED_TOLERANCE
+
+        results = emulated(chosen)
+        (args.out / "gemv_mma_emulated.json").write_text(json.dumps(results, indent=1))
+        errors = [r["rel_error"] for r in results]
+        print(f"{len(errors)} runs of {len(chosen)} compiled launches emulated, relative error {min(errors):.1e} to {max(errors):.1e}")
+        off = [r for r in results if not r["rel_error"] <= EMULATED_TOLERANCE["fp16"]]  # NaN is off too
+        if off:
+            raise SystemExit(f"{len(off)} runs off the reference (over {EMULATED_TOLERANCE['fp16']}): {off}")
+        return
+    rows = timed(args.shapes.split(","), chosen)
+    (args.out / "gemv_mma.json").write_text(json.dumps(rows, indent=1))
+    for shape in args.shapes.split(","):
+        best = min((r for r in rows if r["shape"] == shape), key=lambda r: r["us"], default=None)
+        if best:
+            print(f"{shape} best: {best['us']} us = {best['speedup']}x fp16 ({best['fp16_us']} us), {best['vs_served']}x the served GEMV "
+                  f"({best['served_us']} us), {best['read_TBps']} TB/s = {best['bandwidth_fraction']} of the copy rate, {best['launch']}, "
+                  f"rel error {best['rel_error']:.1e}")
+
+
+if __name__ == "__main__":
+    main()
