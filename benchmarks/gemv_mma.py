@@ -57,6 +57,7 @@ if {"--sass", "--emulate"} & set(sys.argv):  # compile for sm_90, not interpret:
 import torch  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
 from compressors.packed_int import HALF2_DECODE4, dequantize_reference  # noqa: E402
 
@@ -99,6 +100,10 @@ def pack_mma(weight) -> tuple[torch.Tensor, torch.Tensor]:
     return (words - (words >= 2**31) * 2**32).to(torch.int32), scale
 
 
+# cp.async global -> shared (Triton 3.9 names it async_load; 3.6, the H100 image's, async_copy_global_to_shared)
+_copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
 @gluon.jit
 def _prefetch_l2(pointers, size):
     gl.inline_asm_elementwise(PREFETCH_L2, "=r,l,r", [pointers, size], dtype=gl.int32, is_pure=False, pack=1)
@@ -106,7 +111,8 @@ def _prefetch_l2(pointers, size):
 
 @gluon.jit
 def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K,
-             GROUP: gl.constexpr, ROWT: gl.constexpr, WK: gl.constexpr, CPW: gl.constexpr, AHEAD: gl.constexpr):
+             GROUP: gl.constexpr, ROWT: gl.constexpr, WK: gl.constexpr, CPW: gl.constexpr, AHEAD: gl.constexpr,
+             STAGES: gl.constexpr):
     # [tiles, chunks a thread, slots]: a thread holds the block's ROWT tiles x CPW chunks x its 4
     # words; a slot is (warp along K, lane, word)
     L3: gl.constexpr = gl.BlockedLayout([ROWT, CPW, 4], [1, 1, 32], [1, 1, WK], [2, 1, 0])
@@ -139,14 +145,28 @@ def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K,
     if AHEAD:  # the first AHEAD iterations' words and scales into L2
         _prefetch_l2(packed_ptr + tiles * (chunks * 128), gl.full([T], gl.minimum(AHEAD * STEP, chunks) * 512, gl.int32, LP))
         _prefetch_l2(scale_ptr + tiles * (groups * 16), gl.full([T], gl.minimum((AHEAD * STEP * 64 + GROUP - 1) // GROUP, groups) * 32, gl.int32, LP))
-    for c0 in range(0, chunks, STEP):
+    iterations = chunks // STEP
+    if STAGES:  # the words through a ring of STAGES iterations in shared memory, copied STAGES - 1 ahead
+        ring = gl.allocate_shared_memory(gl.int32, [STAGES, T, CPW, S], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        for i in gl.static_range(STAGES - 1):
+            _copy_to_shared(ring.index(i), words_at + i * STEP * 128, mask=s3 * 0 + i < iterations)
+            async_copy.commit_group()
+    for it in range(iterations):
+        c0 = it * STEP
+        if STAGES:  # each thread reads back only the words it copied: no barrier needed
+            async_copy.wait_group(STAGES - 2)
+            w = ring.index(it % STAGES).load(L3)
+            following = it + STAGES - 1  # into the slot read last iteration
+            _copy_to_shared(ring.index(following % STAGES), words_at + following * STEP * 128, mask=s3 * 0 + following < iterations)
+            async_copy.commit_group()
+        else:
+            w = gl.load(words_at + c0 * 128)
         if AHEAD:  # iteration + AHEAD's (the last iterations prefetch the last one again)
             ahead = gl.minimum(c0 + AHEAD * STEP, chunks - STEP)
             _prefetch_l2(packed_ptr + tiles * (chunks * 128) + ahead * 128, gl.full([T], STEP * 512, gl.int32, LP))
             first_group = ahead * 64 // GROUP
             _prefetch_l2(scale_ptr + tiles * (groups * 16) + first_group * 16,
                          gl.full([T], ((ahead + STEP) * 64 + GROUP - 1) // GROUP - first_group, gl.int32, LP) * 32)
-        w = gl.load(words_at + c0 * 128)
         xa, xb = gl.split(gl.reshape(gl.load(x_at + c0 * 32), [CPW, S, 2]))
         xa = gl.broadcast(gl.expand_dims(gl.convert_layout(xa, gl.SliceLayout(0, L3)), 0), w)[0]
         xb = gl.broadcast(gl.expand_dims(gl.convert_layout(xb, gl.SliceLayout(0, L3)), 0), w)[0]
@@ -173,6 +193,7 @@ class Launch(NamedTuple):
     wk: int  # warps, along K
     cpw: int  # chunks (16-byte loads) a thread per tile an iteration
     ahead: int = 0  # iterations ahead a block prefetches its words and scales into L2 (0: none)
+    stages: int = 0  # iterations of words in a shared-memory ring, copied (cp.async) stages - 1 ahead (0: loaded directly)
 
     @property
     def block_n(self) -> int:
@@ -183,7 +204,8 @@ class Launch(NamedTuple):
         return self.wk * self.cpw
 
     def __str__(self) -> str:
-        return f"{self.block_n}x{64 * self.chunks} ({self.rowt} tile x {self.cpw} chunk a thread), {self.wk} warps" + (f", L2 prefetch {self.ahead} ahead" if self.ahead else "")
+        return f"{self.block_n}x{64 * self.chunks} ({self.rowt} tile x {self.cpw} chunk a thread), {self.wk} warps" + (f", L2 prefetch {self.ahead} ahead" if self.ahead else "") + (
+            f", {self.stages} stages" if self.stages else "")
 
 
 # A batch-1 GEMV reads each word once, so its speed is bytes in flight: at 4096 rows there are
@@ -194,6 +216,7 @@ LAUNCHES = [Launch(*shape) for shape in [
     (1, 4, 1), (1, 4, 2), (1, 4, 4), (1, 8, 1), (1, 8, 2), (1, 8, 4), (1, 16, 1), (1, 16, 2), (1, 2, 4), (2, 4, 1), (2, 4, 2), (2, 8, 1),
     (2, 8, 2), (2, 2, 4), (4, 4, 1), (4, 2, 2),
     (1, 4, 2, 2), (1, 8, 1, 2), (1, 8, 2, 2), (1, 8, 2, 4), (2, 4, 1, 2), (2, 8, 1, 2), (1, 16, 1, 2), (1, 4, 4, 2),
+    (1, 4, 2, 0, 4), (1, 8, 1, 0, 4), (1, 8, 2, 0, 2), (1, 8, 2, 0, 4), (2, 4, 1, 0, 4), (1, 4, 1, 0, 8), (1, 8, 1, 2, 4), (2, 8, 1, 2, 4),
 ]]
 
 
@@ -205,7 +228,7 @@ def run(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, n: int, k: in
     """y = x @ W^T for x [1, K] fp16 and W in mma order (`pack_mma`)."""
     y = torch.empty(1, n, dtype=torch.float16, device=x.device) if y is None else y
     gemv_mma[(n // launch.block_n,)](x, words, scale, y, n, k, GROUP=k // scale.shape[1], ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw,
-                                     AHEAD=launch.ahead, num_warps=launch.wk)
+                                     AHEAD=launch.ahead, STAGES=launch.stages, num_warps=launch.wk)
     return y
 
 
@@ -213,15 +236,15 @@ def compiled(launch: Launch, group: int = 128):
     """The launch compiled for sm_90 (here, no GPU needed), as on 4096-wide layers (aligned)."""
     from benchmarks.kernel_sass import compile_for
 
-    return compile_for(gemv_mma, dict(GROUP=group, ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead),
+    return compile_for(gemv_mma, dict(GROUP=group, ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead, STAGES=launch.stages),
                        num_warps=launch.wk, aligned=True)
 
 
 def emulated(launches: list[Launch]) -> list[dict]:
     """Each launch compiled for sm_90 and its PTX run on the CPU (benchmarks/ptx_emulator.py) on
-    random weights of two blocks' rows and two iterations' columns (more than `ahead`, so the
-    prefetches reach the end), in groups of 64 and 128 and per channel: y's error relative to the
-    torch reference (fp32 weights, fp16-rounded y)."""
+    random weights of two blocks' rows and two iterations' columns, or more than `ahead` and
+    `stages` (so the prefetches reach the end and the ring wraps), in groups of 64 and 128 and per
+    channel: y's error relative to the torch reference (fp32 weights, fp16-rounded y)."""
     import numpy as np
 
     from benchmarks.ptx_emulator import launch as emulate
@@ -229,7 +252,7 @@ def emulated(launches: list[Launch]) -> list[dict]:
 
     results = []
     for launch in launches:
-        rows, columns = 2 * launch.block_n, CHUNK * launch.chunks * max(2, launch.ahead + 1)
+        rows, columns = 2 * launch.block_n, CHUNK * launch.chunks * max(2, launch.ahead + 1, launch.stages + 1)
         x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).half()
         for group in (64, 128, None):
             weight = random_packed_weight(4, rows, columns, group, seed=rows + (group or 0))
@@ -254,7 +277,7 @@ def sass_counts(launches: list[Launch]) -> list[dict]:
     rows = []
     for launch in launches:
         code = disassemble(compiled(launch), usage=True)
-        body = loop_body(code)
+        body = loop_body(code, executed=True)  # not the never-run `@!PT LDS` padding of cp.async
         row = dict(launch=str(launch), registers=int(re.search(r"REG:(\d+)", code).group(1)), loop=len(body),
                    per_word=round(len(body) / (4 * launch.rowt * launch.cpw), 1),
                    memory=dict(collections.Counter(op for op in body if op.startswith(("LD", "ST", "BAR")))),

@@ -115,11 +115,14 @@ def opcodes(machine_code: str) -> collections.Counter:
     return collections.Counter(found)
 
 
-def loop_body(machine_code: str) -> list[str]:
+def loop_body(machine_code: str, executed: bool = False) -> list[str]:
     """The full opcodes (LDG.E.128, not LDG) of the longest loop: the instructions between the
-    target of a backward branch and the branch, which in these kernels is the loop over K."""
-    lines = [(int(address, 16), op, rest) for address, op, rest in
-             re.findall(r"^\s+/\*([0-9a-f]{4})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)(.*)$", machine_code, flags=re.M)]
+    target of a backward branch and the branch, which in these kernels is the loop over K. With
+    `executed`, without those under the never-true predicate `@!PT` (the `@!PT LDS RZ, [RZ]`
+    ptxas pads cp.async copies with)."""
+    lines = [(int(address, 16), op, rest) for address, guard, op, rest in
+             re.findall(r"^\s+/\*([0-9a-f]{4})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)(.*)$", machine_code, flags=re.M)
+             if not (executed and guard.strip() == "@!PT")]
     spans = []
     for address, op, rest in lines:
         target = re.search(r"0x([0-9a-f]+)", rest)

@@ -7,7 +7,9 @@ written by hand, for the instructions Triton's kernels here use, the tensor-core
 
 A block's threads run in lockstep, each register a numpy array over them holding bit patterns.
 Lockstep makes `bar.sync` a no-op and lets a branch be taken only when every thread takes it
-(Triton's GEMVs branch uniformly; a divergent branch raises). Instruction semantics follow
+(Triton's GEMVs branch uniformly; a divergent branch raises). A `cp.async` copy lands in shared
+memory only when a `cp.async.wait_group` lets its commit group go, so a pipeline that reads a
+copy before waiting for it reads stale bytes here, as it may on a GPU. Instruction semantics follow
 NVIDIA's PTX ISA. Rounding: fp16 results are rounded once from the float64 value (exact for
 fp16 products and sums of nearby magnitude), fp32 fma likewise from float64 (double rounding is
 possible only when the product's low bits straddle a tie: rare, and far inside any tolerance a
@@ -219,6 +221,9 @@ class Block:
             if axis != "x":
                 self.special.update({f"%tid.{axis}": 0 * lanes, f"%ntid.{axis}": 0 * lanes + np.uint64(1)})
         self.shared = Memory([np.zeros(shared_bytes, dtype=np.uint8)], base=0) if shared_bytes else None  # `global_smem` is 0
+        # cp.async copies not yet landed: those issued since the last commit, and each committed group's
+        self.copying: list[tuple[np.ndarray, np.ndarray]] = []
+        self.committed: list[list[tuple[np.ndarray, np.ndarray]]] = []
 
     def value(self, token: str) -> np.ndarray:
         """An operand as bit patterns, one per thread."""
@@ -279,8 +284,21 @@ class Block:
     def step(self, opcode: str, ops: list[str], active: np.ndarray | None) -> None:  # noqa: C901  (one branch per instruction)
         parts = opcode.split(".")
         name, kind = parts[0], parts[-1]
-        if name in ("bar", "barrier", "membar", "fence") or opcode in ("cp.async.commit_group", "cp.async.wait_group"):
-            return  # lockstep: every thread is already here, and every copy done (`cp.async` completes at once)
+        if name in ("bar", "barrier", "membar", "fence"):
+            return  # lockstep: every thread is already here
+        if opcode == "cp.async.commit_group":
+            self.committed.append(self.copying)
+            self.copying = []
+            return
+        if opcode in ("cp.async.wait_group", "cp.async.wait_all"):  # the copies of all but the newest `n` groups land now
+            waiting = int(ops[0]) if opcode == "cp.async.wait_group" else 0
+            if opcode == "cp.async.wait_all":
+                self.committed.append(self.copying)
+                self.copying = []
+            while len(self.committed) > waiting:
+                for index, data in self.committed.pop(0):
+                    self.shared.bytes[index] = data
+            return
         threads = np.ones(self.threads, bool) if active is None else active
         if name == "prefetch" or opcode.startswith("cp.async.bulk.prefetch."):  # a cache hint: no value changes, but its bytes must be there
             address = self.address(ops[0])[threads]
@@ -299,7 +317,7 @@ class Block:
                 if count:
                     data[:, :count] = self.memory.bytes[self.memory._index(source[chosen], int(count), 1)]
                     self.memory.count(source[chosen], int(count), np.flatnonzero(chosen))
-                self.shared.bytes[self.shared._index(target[chosen], size, 1)] = data
+                self.copying.append((self.shared._index(target[chosen], size, 1), data))  # lands at the wait for its group
             return
         if name in ("stmatrix", "ldmatrix"):
             self.matrix(name == "ldmatrix", parts, ops, active)
