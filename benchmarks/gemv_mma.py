@@ -1,9 +1,10 @@
-"""Batch-1 int4 GEMV on the tensor cores (Marlin's approach), an experiment: a weight layout in
-which each thread's 32-bit word decodes straight into its A fragment of `mma.sync.m16n8k16`.
+"""Int4 GEMV for 1 to 8 rows of x on the tensor cores (Marlin's approach), an experiment: a weight
+layout in which each thread's 32-bit word decodes straight into its A fragment of
+`mma.sync.m16n8k16`.
 
     python benchmarks/gemv_mma.py --emulate          # here: the sm_90 PTX of each launch run on the CPU
     python benchmarks/gemv_mma.py --sass             # here: sm_90 loop instructions per word
-    python benchmarks/gemv_mma.py [--shapes ...]     # on a CUDA GPU: timed beside fp16 and the served GEMV
+    python benchmarks/gemv_mma.py [--shapes ...] [--batches 1,8]   # on a CUDA GPU: timed beside fp16 and the served kernel
 
 Why. The served batch-1 GEMVs multiply on the CUDA cores: per 32-bit word (8 codes) the grid
 GEMV spends about 36 machine instructions and the Gluon one 19-24 (benchmarks/results/
@@ -13,7 +14,9 @@ batch-1 goal (over 3x fp16) needs the weight streamed at about 0.83 of the copy 
 these read at 0.73. A tensor core takes a whole m16n8k16 product in one instruction: a thread's
 A fragment is 8 fp16 values, exactly what one word's 8 codes decode to (`HALF2_DECODE4`: 9
 instructions, exact integers code - 8). So the product costs about 10 instructions a word, with
-x as B (the same x in all 8 columns; column 0 is y) and the fp32 accumulators as D.
+x as B (thread g supplies B's column g: x's row g, zero past the batch) and the fp32
+accumulators as D. B's 8 columns make a batch of up to 8 cost what batch 1 does: the weight is
+read once either way.
 
 The layout ("mma order", `pack_mma`). The weight in tiles of 16 rows x 64 columns (a chunk);
 in each, thread (g, t) of a warp (lane 4 g + t) holds 4 words, one per k-step j of 16 columns,
@@ -110,7 +113,7 @@ def _prefetch_l2(pointers, size):
 
 
 @gluon.jit
-def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K,
+def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
              GROUP: gl.constexpr, ROWT: gl.constexpr, WK: gl.constexpr, CPW: gl.constexpr, AHEAD: gl.constexpr,
              STAGES: gl.constexpr):
     # [tiles, chunks a thread, slots]: a thread holds the block's ROWT tiles x CPW chunks x its 4
@@ -137,8 +140,12 @@ def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K,
     xu = gl.arange(0, CPW, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
     xl = gl.arange(0, 32 * WK, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
     xi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
-    x_at = (x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.expand_dims(gl.expand_dims(xu * (32 * WK), 1), 2)
+    # thread (g, t) supplies B's column g: x's row g (rows past M read as 0); at M = 1 (a constant:
+    # Triton specializes it) every thread reads row 0, unmasked, and D's every column is y
+    x_row = gl.expand_dims(gl.expand_dims(xl % 32 // 4 * (M > 1), 0), 2)
+    x_at = (x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.expand_dims(gl.expand_dims(xu * (32 * WK), 1), 2) + x_row * (stride_xm // 2)
             + gl.expand_dims(gl.expand_dims(xl // 32 * 32 + xl % 4 * 8, 0), 2) + gl.expand_dims(gl.expand_dims(xi, 0), 1))
+    x_in = x_row + 0 * gl.expand_dims(gl.expand_dims(xi, 0), 1) < M
     LP: gl.constexpr = gl.BlockedLayout([T], [32], [WK], [0])  # the block's tiles, in every thread (thread 0 prefetches)
     tiles = gl.program_id(0) * T + gl.arange(0, T, layout=LP)
     acc = gl.zeros([T, CPW, S], gl.float32, L3)
@@ -167,25 +174,19 @@ def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K,
             first_group = ahead * 64 // GROUP
             _prefetch_l2(scale_ptr + tiles * (groups * 16) + first_group * 16,
                          gl.full([T], ((ahead + STEP) * 64 + GROUP - 1) // GROUP - first_group, gl.int32, LP) * 32)
-        xa, xb = gl.split(gl.reshape(gl.load(x_at + c0 * 32), [CPW, S, 2]))
+        xa, xb = gl.split(gl.reshape(gl.load(x_at + c0 * 32, mask=x_in, other=0), [CPW, S, 2]))
         xa = gl.broadcast(gl.expand_dims(gl.convert_layout(xa, gl.SliceLayout(0, L3)), 0), w)[0]
         xb = gl.broadcast(gl.expand_dims(gl.convert_layout(xb, gl.SliceLayout(0, L3)), 0), w)[0]
         d = gl.inline_asm_elementwise(MMA_CHUNK, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r", [w, xa, xb], dtype=gl.float32, is_pure=True, pack=4)
         acc += d * gl.load(scales_at + (c0 + chunk) * 64 // GROUP * 16).to(gl.float32)
-    # every column of D is y: keep column 0 (t == 0, even element), rows g (j = 0) and g + 8 (j = 2)
-    total = gl.sum(acc, axis=1)  # [T, S]
-    sl = gl.arange(0, S, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    first = gl.expand_dims(sl % 16 == 0, 0)  # t == 0, j == 0
-    third = gl.expand_dims(sl % 16 == 2, 0)
-    low = gl.sum(gl.sum(gl.reshape(gl.where(first, total, 0.0), [T, WK, 8, 16]), axis=3), axis=1)  # [T, 8]
-    high = gl.sum(gl.sum(gl.reshape(gl.where(third, total, 0.0), [T, WK, 8, 16]), axis=3), axis=1)
-    LY: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WK, 1], [1, 0])
-    low = gl.convert_layout(low, LY)
-    high = gl.convert_layout(high, LY)
-    yr = gl.expand_dims((gl.program_id(0) * T + gl.arange(0, T, layout=gl.SliceLayout(1, LY))) * 16, 1) + gl.expand_dims(
-        gl.arange(0, 8, layout=gl.SliceLayout(0, LY)), 0)
-    gl.store(y_ptr + yr, low.to(gl.float16))
-    gl.store(y_ptr + yr + 8, high.to(gl.float16))
+    # element j of thread (g, t): D's row g + 8 (j // 2), column (x's row) 2 t + j % 2; summed over the warps along K
+    total = gl.sum(gl.reshape(gl.sum(acc, axis=1), [T, WK, 128]), axis=1)  # [T, 128]: slot 16 g + 4 t + j
+    LY: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, WK], [1, 0])
+    total = gl.convert_layout(total, LY)
+    q = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, LY)), 0)
+    row = gl.expand_dims((gl.program_id(0) * T + gl.arange(0, T, layout=gl.SliceLayout(1, LY))) * 16, 1) + q // 16 + 8 * (q % 4 // 2)
+    batch = q // 4 % 4 * 2 + q % 2
+    gl.store(y_ptr + batch * stride_ym + row, total.to(gl.float16), mask=(batch < M) & (row < N))
 
 
 class Launch(NamedTuple):
@@ -225,26 +226,29 @@ def fits(n: int, k: int, launch: Launch) -> bool:
 
 
 def run(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, n: int, k: int, launch: Launch, y: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W^T for x [1, K] fp16 and W in mma order (`pack_mma`)."""
-    y = torch.empty(1, n, dtype=torch.float16, device=x.device) if y is None else y
-    gemv_mma[(n // launch.block_n,)](x, words, scale, y, n, k, GROUP=k // scale.shape[1], ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw,
-                                     AHEAD=launch.ahead, STAGES=launch.stages, num_warps=launch.wk)
+    """y = x @ W^T for x [M, K] fp16, M at most 8 (B's 8 columns), and W in mma order (`pack_mma`)."""
+    assert x.shape[0] <= 8 and x.stride(1) == 1
+    y = torch.empty(x.shape[0], n, dtype=torch.float16, device=x.device) if y is None else y
+    gemv_mma[(n // launch.block_n,)](x, words, scale, y, x.shape[0], n, k, x.stride(0), y.stride(0), GROUP=k // scale.shape[1], ROWT=launch.rowt,
+                                     WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead, STAGES=launch.stages, num_warps=launch.wk)
     return y
 
 
-def compiled(launch: Launch, group: int = 128):
-    """The launch compiled for sm_90 (here, no GPU needed), as on 4096-wide layers (aligned)."""
+def compiled(launch: Launch, group: int = 128, batch: int = 1):
+    """The launch compiled for sm_90 (here, no GPU needed), as on 4096-wide layers (aligned), for
+    `batch` rows of x (1 specialized, as Triton does)."""
     from benchmarks.kernel_sass import compile_for
 
-    return compile_for(gemv_mma, dict(GROUP=group, ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead, STAGES=launch.stages),
-                       num_warps=launch.wk, aligned=True)
+    constexprs = dict(GROUP=group, ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead, STAGES=launch.stages)
+    return compile_for(gemv_mma, constexprs | ({"M": 1} if batch == 1 else {}), num_warps=launch.wk, aligned=True, unaligned=("M",))
 
 
 def emulated(launches: list[Launch]) -> list[dict]:
     """Each launch compiled for sm_90 and its PTX run on the CPU (benchmarks/ptx_emulator.py) on
     random weights of two blocks' rows and two iterations' columns, or more than `ahead` and
-    `stages` (so the prefetches reach the end and the ring wraps), in groups of 64 and 128 and per
-    channel: y's error relative to the torch reference (fp32 weights, fp16-rounded y)."""
+    `stages` (so the prefetches reach the end and the ring wraps): x of 1 row in groups of 64 and
+    128 and per channel, and of 5 and 8 rows in groups of 128: y's error relative to the torch
+    reference (fp32 weights, fp16-rounded y)."""
     import numpy as np
 
     from benchmarks.ptx_emulator import launch as emulate
@@ -253,16 +257,16 @@ def emulated(launches: list[Launch]) -> list[dict]:
     results = []
     for launch in launches:
         rows, columns = 2 * launch.block_n, CHUNK * launch.chunks * max(2, launch.ahead + 1, launch.stages + 1)
-        x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).half()
-        for group in (64, 128, None):
+        for group, batch in ((64, 1), (128, 1), (None, 1), (128, 5), (128, 8)):
+            x = torch.randn(batch, columns, generator=torch.Generator().manual_seed(batch)).half()
             weight = random_packed_weight(4, rows, columns, group, seed=rows + (group or 0))
-            reference = (x.float() @ dequantize_reference(weight).T).half().float()[0]
+            reference = (x.float() @ dequantize_reference(weight).T).half().float()
             words, scale = pack_mma(weight)
-            y = np.full(rows, np.nan, np.float16)  # rows a launch leaves unwritten show as NaN error
-            emulate(compiled(launch, weight.group_size).asm["ptx"], (rows // launch.block_n,),
-                    [x.numpy(), words.numpy(), scale.numpy(), y, rows, columns])
+            y = np.full((batch, rows), np.nan, np.float16)  # outputs a launch leaves unwritten show as NaN error
+            arguments = [x.numpy(), words.numpy(), scale.numpy(), y, *([] if batch == 1 else [batch]), rows, columns, columns, rows]
+            emulate(compiled(launch, weight.group_size, batch).asm["ptx"], (rows // launch.block_n,), arguments)
             error = ((torch.from_numpy(y).float() - reference).norm() / reference.norm()).item()
-            results.append(dict(launch=str(launch), group=group or "per channel", rel_error=error))
+            results.append(dict(launch=str(launch), group=group or "per channel", batch=batch, rel_error=error))
             print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -301,11 +305,12 @@ class MmaWeight(NamedTuple):
         return MmaWeight(self.words.clone(), self.scale.clone())
 
 
-def timed(shapes: list[str], launches: list[Launch], group: int = 128) -> list[dict]:
-    """On a CUDA GPU: at each N x K, cuBLAS fp16, the served int4 GEMV (interleaved, autotuned,
-    the Gluon GEMV where it times faster: what `matmul_triton` runs) and each fitting launch
-    here, side by side in this run, as GPU time per call (CUDA-graph replays round-robin over
-    L2-overflowing copies of the weight); each launch's y against the reference."""
+def timed(shapes: list[str], batches: list[int], launches: list[Launch], group: int = 128) -> list[dict]:
+    """On a CUDA GPU: at each N x K and batch (rows of x, at most 8), cuBLAS fp16, the served int4
+    kernel (interleaved, autotuned; at batch 1 the Gluon GEMV where it times faster: what
+    `matmul_triton` runs) and each fitting launch here, side by side in this run, as GPU time per
+    call (CUDA-graph replays round-robin over L2-overflowing copies of the weight); each
+    launch's y against the reference."""
     from benchmarks.kernel_speed import copy_bandwidth
     from compressors.kernels import weight_seconds
     from compressors.packed_int import matmul_triton, random_packed_weight
@@ -318,30 +323,33 @@ def timed(shapes: list[str], launches: list[Launch], group: int = 128) -> list[d
         weight = random_packed_weight(4, n, k, group).to("cuda")
         served = weight.interleave()
         mma = MmaWeight(*pack_mma(weight))
-        x = torch.randn(1, k, device="cuda", dtype=torch.float16)
-        reference = (x.float() @ dequantize_reference(weight).T).half().float()
-        fp16 = weight_seconds(lambda w: x @ w.T, (torch.randn(n, k, device="cuda") / 50).half())
-        int4 = weight_seconds(lambda w: matmul_triton(x, w), served)
-        print(f"{shape}: fp16 {fp16 * 1e6:.2f} us; served int4 GEMV {int4 * 1e6:.2f} us ({fp16 / int4:.2f}x)", flush=True)
-        for launch in launches:
-            if not fits(n, k, launch):
-                continue
-            try:
-                error = ((run(x, mma.words, mma.scale, n, k, launch).float() - reference).norm() / reference.norm()).item()
-                seconds = weight_seconds(lambda w: run(x, w.words, w.scale, n, k, launch), mma)  # noqa: B023  (timed in this iteration)
-            except Exception as failure:  # noqa: BLE001  (an experiment: report and go on)
-                print(f"{shape} {launch}: {type(failure).__name__}: {str(failure)[:300]}", flush=True)
-                continue
-            rows.append(dict(shape=shape, launch=str(launch), us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2),
-                             vs_served=round(int4 / seconds, 2), rel_error=error, fp16_us=round(fp16 * 1e6, 2), served_us=round(int4 * 1e6, 2),
-                             read_TBps=round(mma.nbytes / seconds / 1e12, 2), bandwidth_fraction=round(mma.nbytes / seconds / bandwidth, 3)))
-            print(json.dumps(rows[-1]), flush=True)
+        dense = (torch.randn(n, k, device="cuda") / 50).half()
+        for batch in batches:
+            x = torch.randn(batch, k, device="cuda", dtype=torch.float16)
+            reference = (x.float() @ dequantize_reference(weight).T).half().float()
+            fp16 = weight_seconds(lambda w: x @ w.T, dense)  # noqa: B023  (timed in this iteration)
+            int4 = weight_seconds(lambda w: matmul_triton(x, w), served)  # noqa: B023
+            print(f"{shape} batch {batch}: fp16 {fp16 * 1e6:.2f} us; served int4 {int4 * 1e6:.2f} us ({fp16 / int4:.2f}x)", flush=True)
+            for launch in launches:
+                if not fits(n, k, launch):
+                    continue
+                try:
+                    error = ((run(x, mma.words, mma.scale, n, k, launch).float() - reference).norm() / reference.norm()).item()
+                    seconds = weight_seconds(lambda w: run(x, w.words, w.scale, n, k, launch), mma)  # noqa: B023
+                except Exception as failure:  # noqa: BLE001  (an experiment: report and go on)
+                    print(f"{shape} batch {batch} {launch}: {type(failure).__name__}: {str(failure)[:300]}", flush=True)
+                    continue
+                rows.append(dict(shape=shape, batch=batch, launch=str(launch), us=round(seconds * 1e6, 2), speedup=round(fp16 / seconds, 2),
+                                 vs_served=round(int4 / seconds, 2), rel_error=error, fp16_us=round(fp16 * 1e6, 2), served_us=round(int4 * 1e6, 2),
+                                 read_TBps=round(mma.nbytes / seconds / 1e12, 2), bandwidth_fraction=round(mma.nbytes / seconds / bandwidth, 3)))
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096")
+    parser.add_argument("--batches", default="1,8", help="rows of x (at most 8), on a GPU")
     parser.add_argument("--launches", help="indices into LAUNCHES (default: all)")
     parser.add_argument("--sass", action="store_true", help="here: each launch's sm_90 loop, counted")
     parser.add_argument("--emulate", action="store_true", help="here: each launch's sm_90 PTX run on the CPU; exit 1 if one is off")
@@ -363,12 +371,13 @@ def main() -> None:
         if off:
             raise SystemExit(f"{len(off)} runs off the reference (over {EMULATED_TOLERANCE['fp16']}): {off}")
         return
-    rows = timed(args.shapes.split(","), chosen)
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = timed(args.shapes.split(","), batches, chosen)
     (args.out / "gemv_mma.json").write_text(json.dumps(rows, indent=1))
-    for shape in args.shapes.split(","):
-        best = min((r for r in rows if r["shape"] == shape), key=lambda r: r["us"], default=None)
+    for shape, batch in [(shape, batch) for shape in args.shapes.split(",") for batch in batches]:
+        best = min((r for r in rows if r["shape"] == shape and r["batch"] == batch), key=lambda r: r["us"], default=None)
         if best:
-            print(f"{shape} best: {best['us']} us = {best['speedup']}x fp16 ({best['fp16_us']} us), {best['vs_served']}x the served GEMV "
+            print(f"{shape} batch {batch} best: {best['us']} us = {best['speedup']}x fp16 ({best['fp16_us']} us), {best['vs_served']}x the served kernel "
                   f"({best['served_us']} us), {best['read_TBps']} TB/s = {best['bandwidth_fraction']} of the copy rate, {best['launch']}, "
                   f"rel error {best['rel_error']:.1e}")
 

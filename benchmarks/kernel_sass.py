@@ -49,14 +49,14 @@ POINTERS = {"x_ptr": "fp16", "y_ptr": "fp16", "out_ptr": "fp16", "packed_ptr": "
 
 
 def compile_for(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, num_warps: int = 4, num_stages: int = 3,
-                aligned: bool = False):
+                aligned: bool = False, unaligned: tuple[str, ...] = ()):
     """The kernel compiled for compute capability `arch` (its `.asm`: ptx, cubin), given its
-    constexpr arguments. aligned: every pointer and integer argument divisible by 16, as Triton
-    specializes a launch on 4096-wide layers (for the GEMM, also a batch that is a multiple of
-    16), so loads may be vectorized as they are in serving."""
+    constexpr arguments. aligned: every pointer and integer argument (but those `unaligned`)
+    divisible by 16, as Triton specializes a launch on 4096-wide layers (for the GEMM, also a
+    batch that is a multiple of 16), so loads may be vectorized as they are in serving."""
     signature, attrs = {}, {}
     for i, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
-        if param.is_constexpr:
+        if param.is_constexpr or name in constexprs:  # an integer given a value: specialized, as Triton does a 1
             signature[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
@@ -64,7 +64,7 @@ def compile_for(kernel, constexprs: dict, activations: str = "fp16", arch: int =
             signature[name] = "*" + (activations if name in ("x_ptr", "y_ptr") else stored)
         else:
             signature[name] = "i32"
-        if aligned:
+        if aligned and name not in unaligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource  # compressors/packed_int_gluon.py's kernel is Gluon
     return triton.compile(source(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
