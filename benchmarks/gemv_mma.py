@@ -305,6 +305,21 @@ class MmaWeight(NamedTuple):
         return MmaWeight(self.words.clone(), self.scale.clone())
 
 
+def compile_launch(task: tuple) -> bool:
+    """Runs one launch (LAUNCHES[index]) once at one K and batch, on a weight of one block's rows:
+    Triton caches on disk what the timed run then loads (its key holds the constexprs, M if 1,
+    and which ints are multiples of 16, not N). For `precompile`'s processes."""
+    from compressors.packed_int import random_packed_weight
+
+    index, k, batch, group = task
+    launch = LAUNCHES[index]
+    if not fits(launch.block_n, k, launch):
+        return False
+    words, scale = pack_mma(random_packed_weight(4, launch.block_n, k, group).to("cuda"))
+    run(torch.randn(batch, k, device="cuda", dtype=torch.float16), words, scale, launch.block_n, k, launch)
+    return True
+
+
 def timed(shapes: list[str], batches: list[int], launches: list[Launch], group: int = 128) -> list[dict]:
     """On a CUDA GPU: at each N x K and batch (rows of x, at most 8), cuBLAS fp16, the served int4
     kernel (interleaved, autotuned; at batch 1 the Gluon GEMV where it times faster: what
@@ -354,6 +369,7 @@ def main() -> None:
     parser.add_argument("--sass", action="store_true", help="here: each launch's sm_90 loop, counted")
     parser.add_argument("--emulate", action="store_true", help="here: each launch's sm_90 PTX run on the CPU; exit 1 if one is off")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_mma"))
+    parser.add_argument("--compile-workers", type=int, default=0, help="on a GPU: compile each launch here and the served kernel's first, in this many processes")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     chosen = [LAUNCHES[int(i)] for i in args.launches.split(",")] if args.launches else LAUNCHES
@@ -372,6 +388,13 @@ def main() -> None:
             raise SystemExit(f"{len(off)} runs off the reference (over {EMULATED_TOLERANCE['fp16']}): {off}")
         return
     batches = [int(b) for b in args.batches.split(",")]
+    if args.compile_workers:  # Triton would compile each launch, and the served kernel's tuner each of its shapes, one by one
+        from benchmarks.gemv_mma import compile_launch  # (by its module's name, which a spawned process imports)
+        from benchmarks.kernel_speed import launch_tasks, precompile
+
+        ks = sorted({int(shape.split("x")[1]) for shape in args.shapes.split(",")})
+        precompile(launch_tasks(None, (4, "symmetric", 128, True), ks, batches), args.compile_workers)
+        precompile([(LAUNCHES.index(launch), k, batch, 128) for launch in chosen for k in ks for batch in batches], args.compile_workers, compile_launch)
     rows = timed(args.shapes.split(","), batches, chosen)
     (args.out / "gemv_mma.json").write_text(json.dumps(rows, indent=1))
     for shape, batch in [(shape, batch) for shape in args.shapes.split(",") for batch in batches]:

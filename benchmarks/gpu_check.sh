@@ -85,7 +85,7 @@ if [[ " $STEPS " == *" gluon "* ]]; then
     grep -E "best (half2|fp32)|Error" "$LOG" | tail -12
 fi
 if [[ " $STEPS " == *" mma "* ]]; then
-    python3 benchmarks/gemv_mma.py --out "$OUT/mma" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
+    python3 benchmarks/gemv_mma.py --compile-workers "${COMPILE_WORKERS:-14}" --out "$OUT/mma" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     grep -E " best: |Error" "$LOG" | tail -6
 fi
 if [[ " $STEPS " == *" latency "* ]]; then

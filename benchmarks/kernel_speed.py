@@ -134,18 +134,19 @@ def level_tasks(levels: Path, batches: list[int]) -> list[tuple]:
     return tasks
 
 
-def precompile(tasks: list[tuple], workers: int) -> None:
+def precompile(tasks: list[tuple], workers: int, compile_one=_compile_launch_shape) -> None:
     """Triton's autotuner compiles the launch shapes it times one after another, a few seconds
     each for the GEMMs; compiling them first in parallel processes (one CUDA context each) makes
     a GPU lease go several times further. Kinds whose kernels a baseline version lacks fail in
-    its process only, and are left to the tuner."""
+    its process only, and are left to the tuner. `compile_one(task)` runs one launch (a
+    module-level function, so a spawned process can import it)."""
     import time
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
     start = time.perf_counter()
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(_compile_launch_shape, task) for task in tasks]
+        futures = [pool.submit(compile_one, task) for task in tasks]
         ran = sum(future.exception() is None and future.result() for future in futures)
     print(f"precompiled {ran} of {len(tasks)} launches in {time.perf_counter() - start:.0f} s on {workers} processes", flush=True)
 
