@@ -476,17 +476,25 @@ def test_ptx_emulator_runs_a_kernel_and_faults_where_a_gpu_would():
         launch(_SUM_PTX.replace("setp.lt.s32 %p1, %r7, %r1;", "setp.lt.s32 %p1, %r7, %r2;"), (2,), [x, out, 3])
 
 
+def _warp_kernel(name: str, body: str, shared: bool = False) -> str:
+    """A hand-written kernel of one warp taking two pointers (in %rd1, %rd2; its thread in %r1)."""
+    return (".extern .shared .align 16 .b8 global_smem[];\n" if shared else "") + f"""
+.visible .entry {name}(.param .u64 {name}_param_0, .param .u64 {name}_param_1)
+.reqntid 32
+{{
+    .reg .b32 %r<8>;
+    .reg .b64 %rd<6>;
+    ld.param.b64 %rd1, [{name}_param_0];
+    ld.param.b64 %rd2, [{name}_param_1];
+    mov.u32 %r1, %tid.x;{body}
+    ret;
+}}
+"""
+
+
 # each of 32 threads reads x[lane] and takes the value of lane 5 lane % 32 (a lane per thread,
 # as Gluon's reductions gather their results), stored to out[lane]
-_GATHER_PTX = """
-.visible .entry gather(.param .u64 gather_param_0, .param .u64 gather_param_1)
-.reqntid 32
-{
-    .reg .b32 %r<6>;
-    .reg .b64 %rd<5>;
-    ld.param.b64 %rd1, [gather_param_0];
-    ld.param.b64 %rd2, [gather_param_1];
-    mov.u32 %r1, %tid.x;
+_GATHER_PTX = _warp_kernel("gather", """
     mul.wide.u32 %rd3, %r1, 4;
     add.s64 %rd4, %rd1, %rd3;
     ld.global.b32 %r2, [%rd4 + 0];
@@ -494,10 +502,7 @@ _GATHER_PTX = """
     and.b32 %r3, %r3, 31;
     shfl.sync.idx.b32 %r4, %r2, %r3, 31, -1;
     add.s64 %rd4, %rd2, %rd3;
-    st.global.b32 [%rd4 + 0], %r4;
-    ret;
-}
-"""
+    st.global.b32 [%rd4 + 0], %r4;""")
 
 
 def test_ptx_emulator_shuffles_from_the_lane_each_thread_names():
@@ -537,16 +542,7 @@ def test_gluon_gemv_computes_as_compiled_for_hopper(tmp_path):
 
 # each of 32 threads copies its 16 bytes of x into shared memory with cp.async, in two commit
 # groups (threads' first and second 8 bytes), waits (WAIT), and stores what it then reads to out
-_COPY_PTX = """
-.extern .shared .align 16 .b8 global_smem[];
-.visible .entry copy(.param .u64 copy_param_0, .param .u64 copy_param_1)
-.reqntid 32
-{
-    .reg .b32 %r<8>;
-    .reg .b64 %rd<6>;
-    ld.param.b64 %rd1, [copy_param_0];
-    ld.param.b64 %rd2, [copy_param_1];
-    mov.u32 %r1, %tid.x;
+_COPY_PTX = _warp_kernel("copy", """
     mul.wide.u32 %rd3, %r1, 16;
     add.s64 %rd4, %rd1, %rd3;
     shl.b32 %r2, %r1, 4;
@@ -559,10 +555,7 @@ _COPY_PTX = """
     WAIT;
     ld.shared.v4.b32 {%r5, %r6, %r7, %r2}, [%r4];
     add.s64 %rd5, %rd2, %rd3;
-    st.global.v4.b32 [%rd5 + 0], {%r5, %r6, %r7, %r2};
-    ret;
-}
-"""
+    st.global.v4.b32 [%rd5 + 0], {%r5, %r6, %r7, %r2};""", shared=True)
 
 
 @pytest.mark.parametrize("wait, landed", [("cp.async.wait_group 0", 2), ("cp.async.wait_group 1", 1), ("cp.async.commit_group", 0)])
