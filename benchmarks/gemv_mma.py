@@ -46,6 +46,7 @@ its tiles (no masks), fp16 x. Not served; its place in serving waits on its GPU 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -320,18 +321,25 @@ def compile_launch(task: tuple) -> bool:
     return True
 
 
+@functools.cache
+def _copy_bandwidth() -> float:
+    from benchmarks.kernel_speed import copy_bandwidth
+
+    bandwidth = copy_bandwidth("cuda")
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    return bandwidth
+
+
 def timed(shapes: list[str], batches: list[int], launches: list[Launch], group: int = 128) -> list[dict]:
     """On a CUDA GPU: at each N x K and batch (rows of x, at most 8), cuBLAS fp16, the served int4
     kernel (interleaved, autotuned; at batch 1 the Gluon GEMV where it times faster: what
     `matmul_triton` runs) and each fitting launch here, side by side in this run, as GPU time per
     call (CUDA-graph replays round-robin over L2-overflowing copies of the weight); each
     launch's y against the reference."""
-    from benchmarks.kernel_speed import copy_bandwidth
     from compressors.kernels import weight_seconds
     from compressors.packed_int import matmul_triton, random_packed_weight
 
-    bandwidth = copy_bandwidth("cuda")
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    bandwidth = _copy_bandwidth()
     rows = []
     for shape in shapes:
         n, k = map(int, shape.split("x"))
@@ -363,7 +371,7 @@ def timed(shapes: list[str], batches: list[int], launches: list[Launch], group: 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096")
+    parser.add_argument("--shapes", default="4096x14336,14336x4096,4096x4096", help="N x K, the goal's shapes first (a call cut short keeps them)")
     parser.add_argument("--batches", default="1,8", help="rows of x (at most 8), on a GPU")
     parser.add_argument("--launches", help="indices into LAUNCHES (default: all)")
     parser.add_argument("--sass", action="store_true", help="here: each launch's sm_90 loop, counted")
@@ -395,8 +403,10 @@ def main() -> None:
         ks = sorted({int(shape.split("x")[1]) for shape in args.shapes.split(",")})
         precompile(launch_tasks(None, (4, "symmetric", 128, True), ks, batches), args.compile_workers)
         precompile([(LAUNCHES.index(launch), k, batch, 128) for launch in chosen for k in ks for batch in batches], args.compile_workers, compile_launch)
-    rows = timed(args.shapes.split(","), batches, chosen)
-    (args.out / "gemv_mma.json").write_text(json.dumps(rows, indent=1))
+    rows = []
+    for shape in args.shapes.split(","):  # written after each shape, so a call cut short keeps what it timed
+        rows += timed([shape], batches, chosen)
+        (args.out / "gemv_mma.json").write_text(json.dumps(rows, indent=1))
     for shape, batch in [(shape, batch) for shape in args.shapes.split(",") for batch in batches]:
         best = min((r for r in rows if r["shape"] == shape and r["batch"] == batch), key=lambda r: r["us"], default=None)
         if best:
