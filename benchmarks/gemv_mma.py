@@ -4,6 +4,7 @@ layout in which each thread's 32-bit word decodes straight into its A fragment o
 
     python benchmarks/gemv_mma.py --emulate          # here: the sm_90 PTX of each launch run on the CPU
     python benchmarks/gemv_mma.py --sass             # here: sm_90 loop instructions per word
+    python benchmarks/gemv_mma.py --traffic          # here: what each launch reads, counted in its PTX
     python benchmarks/gemv_mma.py [--shapes ...] [--batches 1,8]   # on a CUDA GPU: timed beside fp16 and the served kernel
 
 Why. The served batch-1 GEMVs multiply on the CUDA cores: per 32-bit word (8 codes) the grid
@@ -22,11 +23,13 @@ The layout ("mma order", `pack_mma`). The weight in tiles of 16 rows x 64 column
 in each, thread (g, t) of a warp (lane 4 g + t) holds 4 words, one per k-step j of 16 columns,
 contiguous (one 16-byte load; a warp's 512 bytes contiguous). The mma sums over its 16 k
 positions in any order as long as A and B agree, so the k positions are assigned such that
-thread t's B, x pairs (k 2t, 2t + 1) and (k 2t + 8, 2t + 9), are x columns 64 c + 16 t + 4 j + 0..3:
-its x for a chunk is 16 contiguous fp16 values (two 16-byte loads), not 8 scattered pairs.
-Word j of thread (g, t): nibble e is the code of row 16 r + g + 8 (e % 2), column
-64 c + 16 t + 4 j + 2 (e % 4 // 2) + e // 4, so that the decode's half2 pairs (code e, code e + 4)
-are the fragment's registers (PTX ISA, m16n8k16 .f16 A: rows g / g + 8, k pairs).
+thread t's B, x pairs (k 2t, 2t + 1) and (k 2t + 8, 2t + 9), are x columns
+64 c + 32 (j // 2) + 8 t + 4 (j % 2) + 0..3: its x for a chunk is two runs of 8 values (two
+16-byte loads, each of them 64 contiguous bytes over a warp's 4 t), not 8 scattered pairs. Word
+j of thread (g, t): nibble e is the code of row 16 r + g + 8 (e % 2), column
+64 c + 32 (j // 2) + 8 t + 4 (j % 2) + 2 (e % 4 // 2) + e // 4, so that the decode's half2 pairs
+(code e, code e + 4) are the fragment's registers (PTX ISA, m16n8k16 .f16 A: rows g / g + 8, k
+pairs).
 
 Scales: each chunk's 4 products are summed on the tensor core in fp32 from exact codes, then
 multiplied by the chunk's group scale in fp32 (groups of 64 or more columns, or one per row):
@@ -55,7 +58,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-if {"--sass", "--emulate"} & set(sys.argv):  # compile for sm_90, not interpret: set before triton is imported
+if {"--sass", "--emulate", "--traffic"} & set(sys.argv):  # compile for sm_90, not interpret: set before triton is imported
     os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
@@ -97,8 +100,8 @@ def pack_mma(weight) -> tuple[torch.Tensor, torch.Tensor]:
     assert weight.bits == 4 and weight.zero is None and weight.codebook is None and weight.bitmask is None, "int4 symmetric grids only"
     assert n % 16 == 0 and k % CHUNK == 0 and (weight.group_size % CHUNK == 0), "N a multiple of 16, K and the group of 64"
     nibbles = (weight.codes().to(torch.int64) + 8)
-    # rows 16 r + 8 h + g; columns 64 c + 16 t + 4 j + 2 a + b -> word (r, c, g, t, j), nibble e = 4 b + 2 a + h
-    tiles = nibbles.reshape(n // 16, 2, 8, k // CHUNK, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(-1, 8)
+    # rows 16 r + 8 h + g; columns 64 c + 32 i + 8 t + 4 l + 2 a + b -> word (r, c, g, t, j = 2 i + l), nibble e = 4 b + 2 a + h
+    tiles = nibbles.reshape(n // 16, 2, 8, k // CHUNK, 2, 4, 2, 2, 2).permute(0, 3, 2, 5, 4, 6, 8, 7, 1).reshape(-1, 8)
     words = (tiles << (4 * torch.arange(8, device=tiles.device))).sum(dim=1)
     scale = weight.scale.reshape(n // 16, 16, -1).permute(0, 2, 1).contiguous()
     return (words - (words >= 2**31) * 2**32).to(torch.int32), scale
@@ -114,14 +117,28 @@ def _prefetch_l2(pointers, size):
 
 
 @gluon.jit
+def _along(size: gl.constexpr, axis: gl.constexpr, layout: gl.constexpr):
+    """0 .. size - 1 along `axis` of a 4-D `layout`, broadcastable to its tensors."""
+    if axis == 0:
+        along = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, size, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout)))), 1), 2), 3)
+    elif axis == 1:
+        along = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, size, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, layout)))), 0), 2), 3)
+    elif axis == 2:
+        along = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, size, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout)))), 0), 1), 3)
+    else:
+        along = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.arange(0, size, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout)))), 0), 1), 2)
+    return along
+
+
+@gluon.jit
 def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
              GROUP: gl.constexpr, ROWT: gl.constexpr, WK: gl.constexpr, CPW: gl.constexpr, AHEAD: gl.constexpr,
              STAGES: gl.constexpr):
     # [tiles, chunks a thread, slots]: a thread holds the block's ROWT tiles x CPW chunks x its 4
     # words; a slot is (warp along K, lane, word)
     L3: gl.constexpr = gl.BlockedLayout([ROWT, CPW, 4], [1, 1, 32], [1, 1, WK], [2, 1, 0])
-    # x pairs [chunks, threads along K, 8]: a thread's 8 consecutive pairs (16 x values) of a chunk, (j, e) for its words j
-    LX: gl.constexpr = gl.BlockedLayout([CPW, 1, 8], [1, 32, 1], [1, WK, 1], [2, 1, 0])
+    # x pairs [chunks, threads along K, 2, 4]: a thread's two runs of 4 pairs (8 x values) of a chunk, (j, e) for its words j
+    LX: gl.constexpr = gl.BlockedLayout([CPW, 1, 2, 4], [1, 32, 1, 1], [1, WK, 1, 1], [3, 2, 1, 0])
     T: gl.constexpr = ROWT  # tiles of 16 rows a block
     S: gl.constexpr = 128 * WK
     STEP: gl.constexpr = WK * CPW  # chunks a block an iteration
@@ -137,16 +154,16 @@ def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     chunk = u3 * WK + s3 // 128  # after c0
     # the D element's row in the tile: d0, d1 row g; d2, d3 row g + 8
     scales_at = scale_ptr + tile * (groups * 16) + s3 % 128 // 16 + 8 * (s3 % 4 // 2)
-    # x pairs of slot (wk, lane, j), chunk c: x columns 64 c + 16 t + 4 j + (0, 1) and + (2, 3): pairs 32 c + 8 t + 2 j + e
-    xu = gl.arange(0, CPW, layout=gl.SliceLayout(1, gl.SliceLayout(2, LX)))
-    xl = gl.arange(0, 32 * WK, layout=gl.SliceLayout(0, gl.SliceLayout(2, LX)))
-    xi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LX)))
+    # x pairs of slot (wk, lane, j), chunk c: x columns 64 c + 32 (j // 2) + 8 t + 4 (j % 2) + (0, 1) and + (2, 3):
+    # pairs 32 c + 16 (j // 2) + 4 t + 2 (j % 2) + e
+    xu = _along(CPW, 0, LX)
+    xl = _along(32 * WK, 1, LX)
     # thread (g, t) supplies B's column g: x's row g (rows past M read as 0); at M = 1 (a constant:
     # Triton specializes it) every thread reads row 0, unmasked, and D's every column is y
-    x_row = gl.expand_dims(gl.expand_dims(xl % 32 // 4 * (M > 1), 0), 2)
-    x_at = (x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.expand_dims(gl.expand_dims(xu * (32 * WK), 1), 2) + x_row * (stride_xm // 2)
-            + gl.expand_dims(gl.expand_dims(xl // 32 * 32 + xl % 4 * 8, 0), 2) + gl.expand_dims(gl.expand_dims(xi, 0), 1))
-    x_in = x_row + 0 * gl.expand_dims(gl.expand_dims(xi, 0), 1) < M
+    x_row = xl % 32 // 4 * (M > 1)
+    x_at = (x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + xu * (32 * WK) + x_row * (stride_xm // 2) + xl // 32 * 32 + xl % 4 * 4
+            + _along(2, 2, LX) * 16 + _along(4, 3, LX))
+    x_in = x_row < M
     LP: gl.constexpr = gl.BlockedLayout([T], [32], [WK], [0])  # the block's tiles, in every thread (thread 0 prefetches)
     tiles = gl.program_id(0) * T + gl.arange(0, T, layout=LP)
     acc = gl.zeros([T, CPW, S], gl.float32, L3)
@@ -175,7 +192,7 @@ def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
             first_group = ahead * 64 // GROUP
             _prefetch_l2(scale_ptr + tiles * (groups * 16) + first_group * 16,
                          gl.full([T], ((ahead + STEP) * 64 + GROUP - 1) // GROUP - first_group, gl.int32, LP) * 32)
-        xa, xb = gl.split(gl.reshape(gl.load(x_at + c0 * 32, mask=x_in, other=0), [CPW, S, 2]))
+        xa, xb = gl.split(gl.reshape(gl.load(x_at + c0 * 32, mask=x_in, other=0), [CPW, S, 2]))  # (lane, j // 2, j % 2, e) -> (slot, e)
         xa = gl.broadcast(gl.expand_dims(gl.convert_layout(xa, gl.SliceLayout(0, L3)), 0), w)[0]
         xb = gl.broadcast(gl.expand_dims(gl.convert_layout(xb, gl.SliceLayout(0, L3)), 0), w)[0]
         d = gl.inline_asm_elementwise(MMA_CHUNK, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,r,r,r", [w, xa, xb], dtype=gl.float32, is_pure=True, pack=4)
@@ -269,6 +286,39 @@ def emulated(launches: list[Launch]) -> list[dict]:
             error = ((torch.from_numpy(y).float() - reference).norm() / reference.norm()).item()
             results.append(dict(launch=str(launch), group=group or "per channel", batch=batch, rel_error=error))
             print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def traffic(launches: list[Launch], rows: int = 64, columns: int = 4096) -> list[dict]:
+    """What each launch reads at batch 1, counted by running its sm_90 PTX on the CPU, on `rows`
+    x `columns` in groups of 128 (as `gemv_gluon.py --traffic` counts the served GEMVs, with
+    whom the rows compare): per array, bytes asked for and the 32-byte sectors the warps'
+    accesses touch, per byte of the weight, and the share of each sector's bytes used (x's
+    threads of one t ask for the same bytes, so its share exceeds 1). Prefetches, being hints,
+    are not reads."""
+    import numpy as np
+
+    from benchmarks.ptx_emulator import launch as emulate
+    from compressors.packed_int import random_packed_weight
+
+    weight = random_packed_weight(4, rows, columns, 128)
+    words, scale = pack_mma(weight)
+    x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).half()
+    needed = words.numel() * 4 + scale.numel() * 2
+    results = []
+    for launch in launches:
+        if not fits(rows, columns, launch):
+            continue
+        counted: dict = {}
+        emulate(compiled(launch).asm["ptx"], (rows // launch.block_n,),
+                [x.numpy(), words.numpy(), scale.numpy(), np.zeros(rows, np.float16), rows, columns, columns, rows], traffic=counted)
+        row = {"kernel": f"mma {launch}"}
+        for index, what in enumerate(("x", "words", "scales")):
+            entry = counted.get(index, {"requested": 0, "sectors": 0, "distinct": 0})
+            row[what] = {"requested_per_weight_byte": entry["requested"] / needed, "sectors_per_weight_byte": 32 * entry["sectors"] / needed,
+                         "sector_use": entry["requested"] / max(32 * entry["sectors"], 1), "distinct_per_weight_byte": entry["distinct"] / needed}
+        results.append(row)
+        print(json.dumps(row), flush=True)
     return results
 
 
@@ -376,6 +426,7 @@ def main() -> None:
     parser.add_argument("--launches", help="indices into LAUNCHES (default: all)")
     parser.add_argument("--sass", action="store_true", help="here: each launch's sm_90 loop, counted")
     parser.add_argument("--emulate", action="store_true", help="here: each launch's sm_90 PTX run on the CPU; exit 1 if one is off")
+    parser.add_argument("--traffic", action="store_true", help="here: what each launch reads at batch 1, counted in its PTX")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_mma"))
     parser.add_argument("--compile-workers", type=int, default=0, help="on a GPU: compile each launch here and the served kernel's first, in this many processes")
     args = parser.parse_args()
@@ -383,6 +434,9 @@ def main() -> None:
     chosen = [LAUNCHES[int(i)] for i in args.launches.split(",")] if args.launches else LAUNCHES
     if args.sass:
         (args.out / "gemv_mma_sass.json").write_text(json.dumps(sass_counts(chosen), indent=1))
+        return
+    if args.traffic:
+        (args.out / "gemv_mma_traffic.json").write_text(json.dumps(traffic(chosen), indent=1))
         return
     if args.emulate:
         from benchmarks.kernel_sass import EMULATED_TOLERANCE
