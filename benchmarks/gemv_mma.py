@@ -80,8 +80,8 @@ MMA_CHUNK = gl.constexpr("{\n.reg .b32 t, h0, h1, h2, h3, c1, c2, c3;\n.reg .f32
 
 # one thread of the block asks for $2 bytes from $1 on to be brought into L2: ptxas issues a
 # load where its value is first used (this kernel's SASS and the Gluon GEMV's show loads sunk
-# into the loop, after products that wait on earlier loads), so a warp's loads of an iteration go out one round
-# trip after another; prefetched iterations ahead, those round trips end in L2, not device memory
+# into the loop, after products that wait on earlier loads), so a warp's loads of an iteration
+# go out one round trip after another; prefetched iterations ahead, those round trips end in L2
 PREFETCH_L2 = gl.constexpr("""{
 .reg .pred p;
 .reg .b32 tid;
@@ -178,7 +178,7 @@ def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
             async_copy.commit_group()
     for it in range(iterations):
         c0 = it * STEP
-        if STAGES:  # each thread reads back only the words it copied: no barrier needed
+        if STAGES:  # each thread reads back only the words it copied (Triton's membar pass still adds a barrier)
             async_copy.wait_group(STAGES - 2)
             w = ring.index(it % STAGES).load(L3)
             following = it + STAGES - 1  # into the slot read last iteration
