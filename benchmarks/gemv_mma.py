@@ -386,6 +386,7 @@ def timed(shapes: list[str], batches: list[int], launches: list[Launch], group: 
     `matmul_triton` runs) and each fitting launch here, side by side in this run, as GPU time per
     call (CUDA-graph replays round-robin over L2-overflowing copies of the weight); each
     launch's y against the reference."""
+    from compressors import packed_int_gluon
     from compressors.kernels import weight_seconds
     from compressors.packed_int import matmul_triton, random_packed_weight
 
@@ -402,7 +403,9 @@ def timed(shapes: list[str], batches: list[int], launches: list[Launch], group: 
             reference = (x.float() @ dequantize_reference(weight).T).half().float()
             fp16 = weight_seconds(lambda w: x @ w.T, dense)  # noqa: B023  (timed in this iteration)
             int4 = weight_seconds(lambda w: matmul_triton(x, w), served)  # noqa: B023
-            print(f"{shape} batch {batch}: fp16 {fp16 * 1e6:.2f} us; served int4 {int4 * 1e6:.2f} us ({fp16 / int4:.2f}x)", flush=True)
+            pick = packed_int_gluon.picked(x, served)  # at batch 1, what serving timed fastest on its first call
+            kernel = "the grid GEMM" if batch > 1 else f"Gluon {pick}" if pick else "the grid GEMV"
+            print(f"{shape} batch {batch}: fp16 {fp16 * 1e6:.2f} us; served int4 ({kernel}) {int4 * 1e6:.2f} us ({fp16 / int4:.2f}x)", flush=True)
             for launch in launches:
                 if not fits(n, k, launch):
                     continue
