@@ -98,7 +98,7 @@ def traffic(rows: int = 64, columns: int = 4096) -> list[dict]:
     import torch
 
     from benchmarks.kernel_sass import GRID, compile_for, taken
-    from benchmarks.ptx_emulator import launch as emulate
+    from benchmarks.ptx_emulator import reads_per_byte
     from compressors import packed_int
     from compressors.packed_int_gluon import SERVED
 
@@ -123,13 +123,7 @@ def traffic(rows: int = 64, columns: int = 4096) -> list[dict]:
                         [x.numpy(), *(t.numpy() for t in tensors), np.zeros(rows, np.float16), rows, columns, *strides]))
     results = []
     for name, ptx, grid, args in kernels:
-        counted: dict = {}
-        emulate(ptx, grid, args, traffic=counted)
-        row = {"kernel": name}
-        for index, what in enumerate(("x", "words", "scales")):
-            entry = counted.get(index, {"requested": 0, "sectors": 0, "distinct": 0})
-            row[what] = {"requested_per_weight_byte": entry["requested"] / needed, "sectors_per_weight_byte": 32 * entry["sectors"] / needed,
-                         "sector_use": entry["requested"] / max(32 * entry["sectors"], 1), "distinct_per_weight_byte": entry["distinct"] / needed}
+        row = {"kernel": name, **reads_per_byte(ptx, grid, args, ("x", "words", "scales"), needed)}
         results.append(row)
         print(json.dumps(row), flush=True)
     return results

@@ -298,7 +298,7 @@ def traffic(launches: list[Launch], rows: int = 64, columns: int = 4096) -> list
     are not reads."""
     import numpy as np
 
-    from benchmarks.ptx_emulator import launch as emulate
+    from benchmarks.ptx_emulator import reads_per_byte
     from compressors.packed_int import random_packed_weight
 
     weight = random_packed_weight(4, rows, columns, 128)
@@ -309,14 +309,8 @@ def traffic(launches: list[Launch], rows: int = 64, columns: int = 4096) -> list
     for launch in launches:
         if not fits(rows, columns, launch):
             continue
-        counted: dict = {}
-        emulate(compiled(launch).asm["ptx"], (rows // launch.block_n,),
-                [x.numpy(), words.numpy(), scale.numpy(), np.zeros(rows, np.float16), rows, columns, columns, rows], traffic=counted)
-        row = {"kernel": f"mma {launch}"}
-        for index, what in enumerate(("x", "words", "scales")):
-            entry = counted.get(index, {"requested": 0, "sectors": 0, "distinct": 0})
-            row[what] = {"requested_per_weight_byte": entry["requested"] / needed, "sectors_per_weight_byte": 32 * entry["sectors"] / needed,
-                         "sector_use": entry["requested"] / max(32 * entry["sectors"], 1), "distinct_per_weight_byte": entry["distinct"] / needed}
+        arguments = [x.numpy(), words.numpy(), scale.numpy(), np.zeros(rows, np.float16), rows, columns, columns, rows]
+        row = {"kernel": f"mma {launch}", **reads_per_byte(compiled(launch).asm["ptx"], (rows // launch.block_n,), arguments, ("x", "words", "scales"), needed)}
         results.append(row)
         print(json.dumps(row), flush=True)
     return results

@@ -631,3 +631,18 @@ def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffi
     memory.read_back(arrays)
     for entry in (traffic or {}).values():
         entry["distinct"] = 32 * len(entry["distinct"])
+
+
+def reads_per_byte(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], arrays: tuple[str, ...], needed: int) -> dict:
+    """`launch` with its reads counted, per array (`arrays` names the first arrays of `args`, in
+    order): bytes asked for, 32-byte sectors the warps' accesses touch and distinct sectors,
+    each per byte of `needed` (what the kernel must read at best), and the share of each
+    sector's bytes used."""
+    counted: dict = {}
+    launch(ptx, grid, args, traffic=counted)
+    report = {}
+    for index, name in enumerate(arrays):
+        entry = counted.get(index, {"requested": 0, "sectors": 0, "distinct": 0})
+        report[name] = {"requested_per_weight_byte": entry["requested"] / needed, "sectors_per_weight_byte": 32 * entry["sectors"] / needed,
+                        "sector_use": entry["requested"] / max(32 * entry["sectors"], 1), "distinct_per_weight_byte": entry["distinct"] / needed}
+    return report
