@@ -30,11 +30,12 @@ from compressors.packed_int_gluon import LAUNCHES, Launch, gemv_gluon, run  # no
 
 
 def compiled(launch: Launch, interleaved: int, group: int = 128):
-    """The launch compiled for sm_90 (here, no GPU needed), as on 4096-wide layers (aligned)."""
-    from benchmarks.kernel_sass import compile_for
+    """The launch compiled for sm_90 (here, no GPU needed), as on 4096-wide layers (aligned),
+    and as served there: a programmatic dependent (ON_HOPPER)."""
+    from benchmarks.kernel_sass import ON_HOPPER, compile_for
 
     constants = dict(GROUP=group, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
-                     WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec)
+                     WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec, **ON_HOPPER)
     return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True)
 
 

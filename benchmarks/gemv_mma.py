@@ -66,7 +66,8 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
-from compressors.packed_int import HALF2_DECODE4, dequantize_reference  # noqa: E402
+from compressors.packed_int import HALF2_DECODE4, dequantize_reference, pdl_launch  # noqa: E402
+from compressors.packed_int_gluon import await_predecessor  # noqa: E402
 
 CHUNK = 64  # columns of a tile a warp's one 16-byte load a thread covers
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
@@ -133,7 +134,7 @@ def _along(size: gl.constexpr, axis: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
              GROUP: gl.constexpr, ROWT: gl.constexpr, WK: gl.constexpr, CPW: gl.constexpr, AHEAD: gl.constexpr,
-             STAGES: gl.constexpr):
+             STAGES: gl.constexpr, PDL: gl.constexpr = False):
     # [tiles, chunks a thread, slots]: a thread holds the block's ROWT tiles x CPW chunks x its 4
     # words; a slot is (warp along K, lane, word)
     L3: gl.constexpr = gl.BlockedLayout([ROWT, CPW, 4], [1, 1, 32], [1, 1, WK], [2, 1, 0])
@@ -167,9 +168,12 @@ def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     LP: gl.constexpr = gl.BlockedLayout([T], [32], [WK], [0])  # the block's tiles, in every thread (thread 0 prefetches)
     tiles = gl.program_id(0) * T + gl.arange(0, T, layout=LP)
     acc = gl.zeros([T, CPW, S], gl.float32, L3)
-    if AHEAD:  # the first AHEAD iterations' words and scales into L2
-        _prefetch_l2(packed_ptr + tiles * (chunks * 128), gl.full([T], gl.minimum(AHEAD * STEP, chunks) * 512, gl.int32, LP))
-        _prefetch_l2(scale_ptr + tiles * (groups * 16), gl.full([T], gl.minimum((AHEAD * STEP * 64 + GROUP - 1) // GROUP, groups) * 32, gl.int32, LP))
+    FIRST: gl.constexpr = AHEAD + (PDL and not AHEAD)
+    if FIRST:  # the first AHEAD iterations' words and scales into L2 (a programmatic dependent's first, before its wait)
+        _prefetch_l2(packed_ptr + tiles * (chunks * 128), gl.full([T], gl.minimum(FIRST * STEP, chunks) * 512, gl.int32, LP))
+        _prefetch_l2(scale_ptr + tiles * (groups * 16), gl.full([T], gl.minimum((FIRST * STEP * 64 + GROUP - 1) // GROUP, groups) * 32, gl.int32, LP))
+    if PDL:  # launched as a programmatic dependent (as packed_int's kernels are on sm_90): x only once the kernel before is done
+        await_predecessor(WK)
     iterations = chunks // STEP
     if STAGES:  # the words through a ring of STAGES iterations in shared memory, copied STAGES - 1 ahead
         ring = gl.allocate_shared_memory(gl.int32, [STAGES, T, CPW, S], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
@@ -248,16 +252,17 @@ def run(x: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, n: int, k: in
     assert x.shape[0] <= 8 and x.stride(1) == 1
     y = torch.empty(x.shape[0], n, dtype=torch.float16, device=x.device) if y is None else y
     gemv_mma[(n // launch.block_n,)](x, words, scale, y, x.shape[0], n, k, x.stride(0), y.stride(0), GROUP=k // scale.shape[1], ROWT=launch.rowt,
-                                     WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead, STAGES=launch.stages, num_warps=launch.wk)
+                                     WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead, STAGES=launch.stages, num_warps=launch.wk, **pdl_launch(x.device))
     return y
 
 
 def compiled(launch: Launch, group: int = 128, batch: int = 1):
     """The launch compiled for sm_90 (here, no GPU needed), as on 4096-wide layers (aligned), for
-    `batch` rows of x (1 specialized, as Triton does)."""
-    from benchmarks.kernel_sass import compile_for
+    `batch` rows of x (1 specialized, as Triton does), launched as the served kernels are there
+    (a programmatic dependent: ON_HOPPER)."""
+    from benchmarks.kernel_sass import ON_HOPPER, compile_for
 
-    constexprs = dict(GROUP=group, ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead, STAGES=launch.stages)
+    constexprs = dict(GROUP=group, ROWT=launch.rowt, WK=launch.wk, CPW=launch.cpw, AHEAD=launch.ahead, STAGES=launch.stages, **ON_HOPPER)
     return compile_for(gemv_mma, constexprs | ({"M": 1} if batch == 1 else {}), num_warps=launch.wk, aligned=True, unaligned=("M",))
 
 

@@ -8,7 +8,8 @@
 #             autotuner compiles each launch shape for each stored kind, serially, so on an H100
 #             all 8 kinds at 3 batches take longer than one 10-minute call: name a few with --kinds);
 #             with .gpu-baseline/packed_int.py (an earlier version of the kernels, e.g.
-#             `git show REV:compressors/packed_int.py`) it is timed side by side too;
+#             `git show REV:compressors/packed_int.py`) it is timed side by side too; with --pdl-off in
+#             $SPEED_ARGS, each kind also with programmatic dependent launch off (LMPRESS_PDL=0);
 #   gemv      benchmarks/gemv_variants.py --production: the int4 GEMV at every launch shape the tuner
 #             may pick, both layouts, at realistic layer shapes (compiled first on $COMPILE_WORKERS)
 #   gluon     benchmarks/gemv_gluon.py: the batch-1 int4 GEMV written in Gluon (no shared memory in its

@@ -142,6 +142,9 @@ def loop_body(machine_code: str, executed: bool = False) -> list[str]:
 # settings that an earlier kernel without them had implicitly (GROUP: it took the group size at run time)
 NEUTRAL = {"SPLIT_K": 1, "CODEBOOK": False, "SPARSE24": False, "PTX": False, "EVEN": False, "GROUP": 128, "INTERLEAVED": False, "STAGES": 1}
 GRID = dict(BITS=4, HAS_ZERO=False, **NEUTRAL)
+# how the grid kernels launch on sm_90 (`packed_int.pdl_launch`): as programmatic dependents, a
+# prefetch and griddepcontrol.wait ahead of their loop; what --check and --every-launch compile
+ON_HOPPER = {"PDL": True}
 GENERAL = dict(CODEBOOK=False, HAS_ZERO=False, SPARSE24=False)
 CASES = [
     ("grid GEMV int4", "_grid_gemv_kernel", dict(GRID, BLOCK_N=8, WORDS=128)),
@@ -376,7 +379,7 @@ def every_launch(out: Path) -> None:
     for config in packed_int.GEMV_CONFIGS + packed_int.GEMM_CONFIGS:
         name = "_grid_gemm_kernel" if "BLOCK_M" in config.kwargs else "_grid_gemv_kernel"
         for title, kind in LAUNCH_KINDS.items():
-            constexprs = {**kind, **config.kwargs}
+            constexprs = {**kind, **config.kwargs, **ON_HOPPER}
             constexprs["EVEN"] = packed_int._k_blocks(4096, constexprs)[1]
             launch = ", ".join(f"{key} {value}" for key, value in config.kwargs.items()) + f", {config.num_warps} warps, {config.num_stages} stages"
             try:
@@ -416,6 +419,7 @@ def main() -> None:
     if args.check:
         failed, spilled, errors = [], [], []
         for title, name, constexprs in CASES:
+            constexprs = {**constexprs, **ON_HOPPER} if name.startswith("_grid") else constexprs
             # each kind of activation; fp16 GEMMs also as launched on aligned layers (4096 wide),
             # where ptxas schedules the tensor-core loop differently
             for activations, aligned in [("fp16", False), ("bf16", False), ("fp32", False)] + [("fp16", True)] * ("GEMM" in title):

@@ -15,6 +15,11 @@ memory (`compressors.kernels.weight_seconds`). At batch 1 it also reports the ba
 fraction of the device's measured copy bandwidth (a large device-to-device copy), which is the
 roof for a memory-bound GEMV. Results: benchmarks/results/kernel_speed.{json,md}.
 
+`--pdl-off` also times each kind with programmatic dependent launch off (LMPRESS_PDL=0;
+`compressors.packed_int.pdl_launch`), side by side: on sm_90 the grid kernels launch as
+programmatic dependents, so in the timed graph, as in a model's, each call's start overlaps the
+call before it. torch's fp16 matmul launches plainly either way.
+
 `--baseline FILE` times another version of the kernels next to these, in the same run, e.g.
     git show 71b8012:compressors/packed_int.py > .gpu-baseline/packed_int.py
     python benchmarks/kernel_speed.py --baseline .gpu-baseline/packed_int.py
@@ -27,6 +32,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -68,6 +74,21 @@ def load_kernels(path: Path):
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
+
+
+def without_pdl(matmul):
+    """`matmul` with programmatic dependent launch off (LMPRESS_PDL=0) for the call."""
+    def run(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        setting = os.environ.get("LMPRESS_PDL")
+        os.environ["LMPRESS_PDL"] = "0"
+        try:
+            return matmul(x, weight)
+        finally:
+            if setting is None:
+                del os.environ["LMPRESS_PDL"]
+            else:
+                os.environ["LMPRESS_PDL"] = setting
+    return run
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,6 +188,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works in the Triton interpreter)")
     parser.add_argument("--baseline", type=Path, help="another version of compressors/packed_int.py to time side by side")
     parser.add_argument("--baseline-kinds", help="time the baseline on these kinds only (default: every kind)")
+    parser.add_argument("--pdl-off", action="store_true", help="also time each kind with programmatic dependent launch off (LMPRESS_PDL=0)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_speed")
     parser.add_argument("--compile-workers", type=int, default=0, help="compile every launch shape first in this many processes (0: let the tuner compile)")
     parser.add_argument("--levels", type=Path, help="only compile (in --compile-workers processes, at --batches) the launches "
@@ -177,6 +199,8 @@ def main() -> None:
     versions = {"": matmul_triton}  # column prefix -> the kernels' entry point
     if args.baseline is not None:
         versions["baseline_"] = _kernels(str(args.baseline)).matmul_triton
+    if args.pdl_off:
+        versions["no_pdl_"] = without_pdl(matmul_triton)
 
     def baseline_runs(kind: str) -> bool:
         """A baseline's kernels read unit order only, and --baseline-kinds may limit them."""
@@ -184,7 +208,7 @@ def main() -> None:
 
     def timed(kind: str) -> dict:
         """The versions to run on a kind's weight."""
-        return {prefix: matmul for prefix, matmul in versions.items() if baseline_runs(kind) or not prefix}
+        return {prefix: matmul for prefix, matmul in versions.items() if prefix != "baseline_" or baseline_runs(kind)}
     if args.smoke:
         for kind in kinds:
             weight = random_packed(kind, 64, 256, "cpu")

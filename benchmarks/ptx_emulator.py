@@ -9,7 +9,11 @@ A block's threads run in lockstep, each register a numpy array over them holding
 Lockstep makes `bar.sync` a no-op and lets a branch be taken only when every thread takes it
 (Triton's GEMVs branch uniformly; a divergent branch raises). A `cp.async` copy lands in shared
 memory only when a `cp.async.wait_group` lets its commit group go, so a pipeline that reads a
-copy before waiting for it reads stale bytes here, as it may on a GPU. Instruction semantics follow
+copy before waiting for it reads stale bytes here, as it may on a GPU. A kernel that waits for
+the kernel before it (`griddepcontrol.wait`: launched as a programmatic dependent, it may start
+while that one still runs) may only prefetch before the wait: a global load, store, atomic or
+copy ahead of it raises, since on a GPU it could read x before it is written or write y while
+it is read. Instruction semantics follow
 NVIDIA's PTX ISA. Rounding: fp16 results are rounded once from the float64 value (exact for
 fp16 products and sums of nearby magnitude), fp32 fma likewise from float64 (double rounding is
 possible only when the product's low bits straddle a tie: rare, and far inside any tolerance a
@@ -224,6 +228,7 @@ class Block:
         # cp.async copies not yet landed: those issued since the last commit, and each committed group's
         self.copying: list[tuple[np.ndarray, np.ndarray]] = []
         self.committed: list[list[tuple[np.ndarray, np.ndarray]]] = []
+        self.awaiting = False  # before the griddepcontrol.wait of a kernel that has one: no global access but prefetches
 
     def value(self, token: str) -> np.ndarray:
         """An operand as bit patterns, one per thread."""
@@ -286,6 +291,12 @@ class Block:
         name, kind = parts[0], parts[-1]
         if name in ("bar", "barrier", "membar", "fence"):
             return  # lockstep: every thread is already here
+        if name == "griddepcontrol":  # wait: the kernel before is done (here, there is none); launch_dependents: a hint
+            self.awaiting = self.awaiting and parts[1] != "wait"
+            return
+        copy = name == "cp" and "prefetch" not in parts and not {"commit_group", "wait_group", "wait_all"} & set(parts)
+        if self.awaiting and (copy or name in ("red", "atom") or name in ("ld", "st") and parts[1] == "global"):
+            raise MemoryError(f"{opcode} before griddepcontrol.wait: the kernel before may not have written its input, or may still read its output")
         if opcode == "cp.async.commit_group":
             self.committed.append(self.copying)
             self.copying = []
@@ -627,7 +638,9 @@ def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffi
     params = {name: values[i] if i < len(values) else 0 for i, name in enumerate(names)}
     for block in itertools.product(*(range(n) for n in grid)):
         # Triton's shared memory is `extern` (sized at launch): give the most a block may have on sm_90
-        Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0).execute(body)
+        program = Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0)
+        program.awaiting = "griddepcontrol.wait" in body
+        program.execute(body)
     memory.read_back(arrays)
     for entry in (traffic or {}).values():
         entry["distinct"] = 32 * len(entry["distinct"])

@@ -143,6 +143,7 @@ import os  # noqa: E402
 
 import triton  # noqa: E402  (compressors/__init__.py picked the interpreter if there is no GPU)
 import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 from pipelines.errors import LmpressError  # noqa: E402
 
 
@@ -154,6 +155,28 @@ def check_triton_backend(device: torch.device) -> None:
             "Triton kernels on the CPU need its interpreter: set TRITON_INTERPRET=1, or import lmpress before "
             "transformers/bitsandbytes/triton"
         )
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The grid kernels' launch settings for programmatic dependent launch (PDL: CUDA, compute
+    capability 9.0 or newer; LMPRESS_PDL=0 turns it off), or none. A kernel launched so may
+    start while the one before it in the stream is still running, so it must read nothing that
+    kernel may write, nor write anything, until griddepcontrol.wait returns (`_await_inputs`).
+    Why: a batch-1 layer is a few microseconds of streamed weights. Fitted over two layer sizes
+    on an H100, the served GEMV took a fixed 3.2 us a call (its launch, the first loads' round
+    trip, the last wave) plus the bytes at 2.35 TB/s (benchmarks/results/gemv_stages_h100.md):
+    that fixed part, which PDL lets overlap the previous kernel's tail, is what keeps batch 1
+    short of 3x fp16."""
+    if device.type != "cuda" or os.environ.get("LMPRESS_PDL") == "0":
+        return {}
+    hopper_or_newer = _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if hopper_or_newer else {}
+
 
 KERNEL_BITS = (2, 3, 4, 8, 16)  # 16: fp16 values (2:4 sparse weights that are not quantized)
 
@@ -571,6 +594,42 @@ def _write(pointers, values, mask, SPLIT_K: tl.constexpr):
         tl.store(pointers, values.to(pointers.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(pointers, values.to(pointers.dtype.element_ty), mask=mask, sem="relaxed")
+
+
+# the 128-byte line at a pointer ($1) brought into L2: a hint, with no value and nothing to wait
+# for (Triton has no prefetch of its own); $0, unused, because an inline asm needs a result
+PREFETCH_L2 = "{\nprefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}"
+_PREFETCH_L2 = tl.constexpr(PREFETCH_L2)
+
+
+@triton.jit
+def _prefetch_l2(pointers):
+    tl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [pointers], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.constexpr_function
+def _lines(words: int) -> int:
+    """128-byte lines (32 words) to ask for to cover `words` from a line's start, as a power of 2."""
+    return triton.next_power_of_2(triton.cdiv(words, 32))
+
+
+@triton.jit
+def _await_inputs(packed_ptr, table_ptr, rn, u0, N, stored, stride_pn, stride_tn, GROUP: tl.constexpr, BITS: tl.constexpr,
+                  UNITS: tl.constexpr, SPANS: tl.constexpr, CODES: tl.constexpr, PDL: tl.constexpr):
+    """Launched as a programmatic dependent (PDL, `pdl_launch`), a program may start before the
+    kernel ahead of it in the stream has finished. Until then it only prefetches into L2 the
+    words of its first block (a line each 32 words) and their scales or codebooks, which serving
+    never writes, so that the loop's first loads find them in L2 and not a device-memory round
+    trip away; then it waits for that kernel (griddepcontrol.wait: complete, its writes visible)
+    before it reads x or writes y, and lets the next kernel launch. Without PDL: nothing."""
+    if PDL:
+        rw = u0 * SPANS + tl.arange(0, _lines(UNITS * SPANS)) * 32
+        inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(stored * BITS, 32))
+        _prefetch_l2(tl.where(inside, packed_ptr + rn[:, None] * stride_pn + rw[None, :], packed_ptr))
+        group = u0 * CODES // GROUP if GROUP else 0
+        _prefetch_l2(tl.where(rn < N, table_ptr + rn * stride_tn + group, table_ptr))
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.constexpr_function
@@ -1053,7 +1112,7 @@ def _centered_dot4(word, x0, x1, x2, x3, x4, x5, x6, x7, PTX: tl.constexpr):
 def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, N, K, stride_pn, stride_tn, stride_zn, stride_bn,
                       GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
                       PTX: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr,
-                      EVEN: tl.constexpr, STAGES: tl.constexpr = 1):
+                      EVEN: tl.constexpr, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Batch 1. Grids: per unit, sum_j code_j x[k_j] in fp32, then (that - offset * sum_j x[k_j])
     * scale; 4-bit grids: sum_j (code_j - 8) x[k_j] (`_centered_dot4`; PTX: decoded in half2 on
     a GPU), minus zero * sum_j x[k_j] if asymmetric, times the scale; 3-bit grids the same with
@@ -1075,6 +1134,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
     start, end = _k_slice(tl.cdiv(stored, CODES), UNITS, AXIS=1)
+    _await_inputs(packed_ptr, table_ptr, rn, start, N, stored, stride_pn, stride_tn, GROUP, BITS, UNITS, SPANS, CODES, PDL)
     for u0 in tl.range(start, end, UNITS, num_stages=STAGES):
         u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
         first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)
@@ -1130,7 +1190,7 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
 def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr, M, N, K, stride_xm, stride_pn, stride_tn, stride_zn, stride_bn,
                       stride_ym, M_BUCKET, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, CODEBOOK: tl.constexpr, SPARSE24: tl.constexpr,
                       PTX: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr, SPLIT_K: tl.constexpr,
-                      EVEN: tl.constexpr):
+                      EVEN: tl.constexpr, PDL: tl.constexpr = False):
     """Batches > 1: y^T = w x^T, the decoded weight tile [BLOCK_N, UNITS * COLUMNS] (codes
     spread to column order; 2:4: to the dense columns, zeros included) being the tensor cores'
     first operand, which on Hopper may stay in registers. Measured on an H100 against splitting
@@ -1150,6 +1210,7 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     start, end = _k_slice(tl.cdiv(stored, CODES), UNITS, AXIS=2)
+    _await_inputs(packed_ptr, table_ptr, rn, start, N, stored, stride_pn, stride_tn, GROUP, BITS, UNITS, SPANS, CODES, PDL)
     for u0 in range(start, end, UNITS):
         u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
         first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)
@@ -1232,8 +1293,9 @@ _grid_gemv = triton.heuristics({"EVEN": _whole_blocks})(_grid_gemv_kernel)
 _grid_gemm = triton.heuristics({"EVEN": _whole_blocks})(_grid_gemm_kernel)
 # What the tuner's pick is kept per: the layer shape and every setting that changes the compiled
 # code (EVEN follows from K). GROUP too: a searched plan serves several group sizes at one layer shape.
-GEMV_KEY = ["N", "K", "GROUP", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED"]
-GEMM_KEY = ["N", "K", "M_BUCKET", "GROUP", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED"]
+# PDL is passed only where on (`pdl_launch`): a key the call lacks is left out of it.
+GEMV_KEY = ["N", "K", "GROUP", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED", "PDL"]
+GEMM_KEY = ["N", "K", "M_BUCKET", "GROUP", "BITS", "HAS_ZERO", "CODEBOOK", "SPARSE24", "PTX", "INTERLEAVED", "PDL"]
 _GEMV = _tuned(_grid_gemv, GEMV_CONFIGS, key=GEMV_KEY)
 _GEMM = _tuned(_grid_gemm, GEMM_CONFIGS, key=GEMM_KEY)
 
@@ -1254,6 +1316,7 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     launch shape (one of GEMV_CONFIGS / GEMM_CONFIGS: how tests run each shape the tuner may pick)."""
     M, K = x.shape
     _, tensors, strides, flags = weight._launch
+    flags = flags | pdl_launch(x.device)
     if config is None:
         kernel, settings = _GEMV if M == 1 else _GEMM
     else:

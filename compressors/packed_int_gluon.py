@@ -34,7 +34,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from compressors.packed_int import _DOT4_PTX, HALF2_NIBBLES4, _quick_bench  # (_DOT4_PTX, HALF2=0: the grid GEMV's decode and 8 fp32 FMAs)
+from compressors.packed_int import _DOT4_PTX, HALF2_NIBBLES4, PREFETCH_L2, _quick_bench, pdl_launch  # (_DOT4_PTX, HALF2=0: the grid GEMV's decode and 8 fp32 FMAs)
 
 PAIR_LO = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")  # (x_2i, x_2i+1), (x_2i+4, x_2i+5) -> (x_2i, x_2i+4)
 PAIR_HI = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")  # -> (x_2i+1, x_2i+5)
@@ -61,6 +61,36 @@ DOT4_HALF2 = gl.constexpr("""{
     .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, c4, a;
     .reg .b16 lo, hi;
     .reg .f32 flo, fhi;""" + _DECODE + HALF2_DOT4 + "}")
+_PREFETCH_L2 = gl.constexpr(PREFETCH_L2)
+# a programmatic dependent's wait for the kernel before it (complete, its writes visible), then
+# the next kernel let launch; as packed_int's grid kernels do with Triton's gdc_wait and
+# gdc_launch_dependents, which Gluon lacks. $0: an inline asm needs a result.
+_AWAIT_INPUTS = gl.constexpr("{\ngriddepcontrol.wait;\ngriddepcontrol.launch_dependents;\nmov.u32 $0, 0;\n}")
+
+
+@gluon.jit
+def _await_inputs(packed_ptr, scale_ptr, block, stride_pn, stride_sn, ROWS: gl.constexpr, WARPS_N: gl.constexpr, WARPS: gl.constexpr,
+                  VEC: gl.constexpr):
+    """Launched as a programmatic dependent (`pdl_launch`), a program may start before the
+    kernel ahead of it has finished: it prefetches into L2 its rows' first words (each thread
+    its own run) and scales, which serving never writes, then waits for that kernel before the
+    loop reads x, as packed_int's `_await_inputs` does."""
+    LF: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])  # a thread's rows, at its run's first word
+    rows = block * (ROWS * WARPS_N) + gl.arange(0, ROWS * WARPS_N, layout=gl.SliceLayout(1, LF))
+    runs = gl.arange(0, 32 * (WARPS // WARPS_N), layout=gl.SliceLayout(0, LF)) * VEC
+    gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [packed_ptr + gl.expand_dims(rows * stride_pn, 1) + gl.expand_dims(runs, 0)], dtype=gl.int32,
+                              is_pure=False, pack=1)
+    gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [scale_ptr + rows * stride_sn], dtype=gl.int32, is_pure=False, pack=1)
+    await_predecessor(WARPS)
+
+
+@gluon.jit
+def await_predecessor(WARPS: gl.constexpr):
+    """Each thread waits for the kernel before (griddepcontrol.wait), then lets the next launch."""
+    threads = gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))  # one element a thread: one wait each
+    gl.inline_asm_elementwise(_AWAIT_INPUTS, "=r,r", [threads], dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _x_pairs(xq_ptr, units, LU: gl.constexpr, LX: gl.constexpr, XVEC: gl.constexpr, INTERLEAVED: gl.constexpr):
     """x as 4 half2 pairs for each unit of `units` (xq_ptr: x as int32, pairs (x_2i, x_2i+1)). Unit
@@ -118,7 +148,7 @@ def _rows(column, like):
 @gluon.jit
 def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
                GROUP: gl.constexpr, HALF2: gl.constexpr, ROWS: gl.constexpr, WARPS_N: gl.constexpr, PREFETCH: gl.constexpr,
-               XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0, VEC: gl.constexpr = 4):
+               XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0, VEC: gl.constexpr = 4, PDL: gl.constexpr = False):
     # a thread: ROWS rows x VEC consecutive words (4: one 16-byte load a row; 8: two); a warp: 32 threads
     # along the words; warps over rows x words
     LW: gl.constexpr = gl.BlockedLayout([ROWS, VEC], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
@@ -135,6 +165,8 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
     w_rows = packed_ptr + gl.expand_dims(rn * stride_pn, 1)
     s_rows = scale_ptr + gl.expand_dims(rn * stride_sn, 1)
     ru = gl.arange(0, WORDS, layout=LU)
+    if PDL:
+        _await_inputs(packed_ptr, scale_ptr, gl.program_id(0), stride_pn, stride_sn, ROWS, WARPS_N, WARPS, VEC)
     if PREFETCH:
         w = gl.load(w_rows + gl.expand_dims(ru, 0))
         s = gl.load(s_rows + gl.expand_dims(ru * 8 // GROUP, 0))
@@ -216,7 +248,7 @@ def run(x, weight, y, launch: Launch):
     gemv_gluon[(weight.rows // launch.block_n,)](x, weight.packed, weight.scale, y, weight.rows, weight.columns, weight.packed.stride(0),
                                                  weight.scale.stride(0), GROUP=weight.group_size, HALF2=launch.half2, ROWS=launch.rows,
                                                  WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec, WARPS=launch.warps,
-                                                 INTERLEAVED=int(weight.interleaved), VEC=launch.vec, num_warps=launch.warps)
+                                                 INTERLEAVED=int(weight.interleaved), VEC=launch.vec, num_warps=launch.warps, **pdl_launch(x.device))
     return y
 
 

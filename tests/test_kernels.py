@@ -574,6 +574,38 @@ def test_ptx_emulator_lands_async_copies_at_their_wait(wait, landed):
     np.testing.assert_array_equal(out, expected.ravel())
 
 
+# each of 32 threads prefetches its x[lane], waits for the kernel before (griddepcontrol.wait),
+# copies x[lane] to out[lane] and lets the next kernel launch: a programmatic dependent's order
+_DEPENDENT_PTX = _warp_kernel("dependent", """
+    mul.wide.u32 %rd3, %r1, 4;
+    add.s64 %rd4, %rd1, %rd3;
+    add.s64 %rd5, %rd2, %rd3;
+    prefetch.global.L2 [%rd4];
+    griddepcontrol.wait;
+    ld.global.b32 %r2, [%rd4 + 0];
+    st.global.b32 [%rd5 + 0], %r2;
+    griddepcontrol.launch_dependents;""")
+
+
+@pytest.mark.parametrize("early", [None, "ld.global.b32 %r3, [%rd4 + 0];", "st.global.b32 [%rd5 + 0], %r1;"])
+def test_ptx_emulator_faults_a_dependent_launch_that_touches_memory_before_its_wait(early):
+    """Launched as a programmatic dependent (the grid kernels on sm_90, `packed_int.pdl_launch`),
+    a kernel may start while the one before it still runs: before griddepcontrol.wait it may
+    prefetch, but a load could read x before it is written and a store write y while it is still
+    read. The emulator raises on either, so `kernel_sass.py --check` (which runs every grid
+    kernel's PTX as launched on sm_90) would catch a compiler or a kernel moving one ahead."""
+    import numpy as np
+    from benchmarks.ptx_emulator import launch
+
+    x, out = np.arange(32, dtype=np.float32), np.zeros(32, np.float32)
+    if early is None:
+        launch(_DEPENDENT_PTX, (1,), [x, out])
+        np.testing.assert_array_equal(out, x)
+        return
+    with pytest.raises(MemoryError, match="before griddepcontrol.wait"):
+        launch(_DEPENDENT_PTX.replace("    griddepcontrol.wait;", f"    {early}\n    griddepcontrol.wait;"), (1,), [x, out])
+
+
 def test_tensor_core_gemv_computes_as_compiled_for_hopper(tmp_path):
     """The GEMV on the tensor cores (benchmarks/gemv_mma.py: each word decodes to its
     thread's mma.sync fragment; a GPU experiment, not served), compiled for sm_90 and its PTX run
@@ -785,6 +817,23 @@ def test_tuner_keeps_its_pick_per_setting_that_changes_the_compiled_code():
         picked = set().union(*(config.kwargs for config in configs)) | {"EVEN"}
         assert constexprs - picked <= set(key), constexprs - picked - set(key)
         assert {"N", "K"} <= set(key)
+
+
+def test_kernels_launch_as_programmatic_dependents_on_hopper_only(monkeypatch):
+    """PDL needs compute capability 9.0 (griddepcontrol); the kernel's PDL constexpr (its wait)
+    and the launch attribute go together, or a kernel could start early with nothing holding
+    its reads back; LMPRESS_PDL=0 turns both off, and CPU launches never take them."""
+    from compressors import packed_int
+
+    monkeypatch.delenv("LMPRESS_PDL", raising=False)
+    monkeypatch.setattr(packed_int, "_capability", lambda index: (9, 0))
+    assert packed_int.pdl_launch(torch.device("cuda", 0)) == {"PDL": True, "launch_pdl": True}
+    assert packed_int.pdl_launch(torch.device("cpu")) == {}
+    monkeypatch.setenv("LMPRESS_PDL", "0")
+    assert packed_int.pdl_launch(torch.device("cuda", 0)) == {}
+    monkeypatch.delenv("LMPRESS_PDL")
+    monkeypatch.setattr(packed_int, "_capability", lambda index: (8, 0))
+    assert packed_int.pdl_launch(torch.device("cuda", 0)) == {}
 
 
 def test_split_k_is_not_tried_for_bf16_outputs():
