@@ -29,6 +29,7 @@ call before it. torch's fp16 matmul launches plainly either way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
@@ -76,18 +77,25 @@ def load_kernels(path: Path):
     return module
 
 
+@contextlib.contextmanager
+def pdl_off():
+    """Programmatic dependent launch off (LMPRESS_PDL=0) inside, the setting restored after."""
+    setting = os.environ.get("LMPRESS_PDL")
+    os.environ["LMPRESS_PDL"] = "0"
+    try:
+        yield
+    finally:
+        if setting is None:
+            del os.environ["LMPRESS_PDL"]
+        else:
+            os.environ["LMPRESS_PDL"] = setting
+
+
 def without_pdl(matmul):
-    """`matmul` with programmatic dependent launch off (LMPRESS_PDL=0) for the call."""
+    """`matmul` with programmatic dependent launch off for the call."""
     def run(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-        setting = os.environ.get("LMPRESS_PDL")
-        os.environ["LMPRESS_PDL"] = "0"
-        try:
+        with pdl_off():
             return matmul(x, weight)
-        finally:
-            if setting is None:
-                del os.environ["LMPRESS_PDL"]
-            else:
-                os.environ["LMPRESS_PDL"] = setting
     return run
 
 
@@ -106,11 +114,17 @@ def _compile_launch_shape(task: tuple) -> bool:
     a weight of 256 rows: what Triton caches on disk for it is what the timed run then loads
     (its cache key holds the constexprs and which ints are multiples of 16, not N itself).
     Or (`gluon`) one of the Gluon GEMV's launches that serving times against the grid GEMV at
-    batch 1 (compressors/packed_int_gluon.py). False where the GPU cannot hold the tile (the
+    batch 1 (compressors/packed_int_gluon.py). `pdl` False: as launched with programmatic
+    dependent launch off (a kernel of its own). False where the GPU cannot hold the tile (the
     tuner times it as infinite) or the Gluon launch does not fit the kind."""
+    path, spec, k, batch, index, gluon, pdl = task
+    with contextlib.nullcontext() if pdl else pdl_off():
+        return _compile_one(path, spec, k, batch, index, gluon)
+
+
+def _compile_one(path: str | None, spec: tuple, k: int, batch: int, index: int, gluon: bool) -> bool:
     from triton.runtime.errors import OutOfResources
 
-    path, spec, k, batch, index, gluon = task
     module = _kernels(path)
     x, weight = torch.randn(batch, k, device="cuda", dtype=torch.float16), _small_weight(spec, k)
     y = torch.empty(batch, 256, device="cuda", dtype=torch.float16)
@@ -128,13 +142,13 @@ def _compile_launch_shape(task: tuple) -> bool:
     return True
 
 
-def launch_tasks(path: str | None, spec: tuple, ks: list[int], batches: list[int]) -> list[tuple]:
+def launch_tasks(path: str | None, spec: tuple, ks: list[int], batches: list[int], pdl: bool = True) -> list[tuple]:
     """`_compile_launch_shape`'s tasks: every launch shape of one version of the kernels for one
     kind, at each K and batch; for this version at batch 1, the Gluon GEMV's served launches too
-    (a kind they do not fit compiles nothing)."""
+    (a kind they do not fit compiles nothing). pdl False: as launched with PDL off."""
     module = _kernels(path)
-    gluon = [(path, spec, k, 1, index, True) for k in ks for index in range(len(packed_int_gluon.SERVED))] if path is None and 1 in batches else []
-    return [(path, spec, k, batch, index, False) for k in ks for batch in batches
+    gluon = [(path, spec, k, 1, index, True, pdl) for k in ks for index in range(len(packed_int_gluon.SERVED))] if path is None and 1 in batches else []
+    return [(path, spec, k, batch, index, False, pdl) for k in ks for batch in batches
             for index in range(len(module.GEMV_CONFIGS if batch == 1 else module.GEMM_CONFIGS))] + gluon
 
 
@@ -231,6 +245,8 @@ def main() -> None:
         ks = sorted({int(shape.split("x")[1]) for shape in args.shapes.split(",")})
         tasks = [task for kind in kinds for path in [None] + ([str(args.baseline)] if baseline_runs(kind) else [])
                  for task in launch_tasks(path, kind_spec(kind), ks, batches)]
+        if args.pdl_off:  # the same kernels compiled without the programmatic dependent's wait
+            tasks += [task for kind in kinds for task in launch_tasks(None, kind_spec(kind), ks, batches, pdl=False)]
         precompile(tasks, args.compile_workers)
     try:
         import bitsandbytes
