@@ -37,6 +37,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -186,6 +187,17 @@ def precompile(tasks: list[tuple], workers: int, compile_one=_compile_launch_sha
     print(f"precompiled {ran} of {len(tasks)} launches in {time.perf_counter() - start:.0f} s on {workers} processes", flush=True)
 
 
+def fixed_and_rate(rows: list[dict], name: str) -> dict | None:
+    """A kernel's batch-1 time as a fixed cost a call plus its bytes at a streaming rate, fitted
+    by least squares over the shapes timed (`name`: fp16 or a kind's column prefix): what a
+    call costs besides streaming its weight. None under two sizes."""
+    points = [(row[f"{name}_bytes"], row[f"{name}_us"]) for row in rows if row["batch"] == 1 and f"{name}_bytes" in row]
+    if len({size for size, _ in points}) < 2:
+        return None
+    slope, intercept = np.polyfit([size for size, _ in points], [us for _, us in points], 1)  # us a byte, us
+    return {"fixed_us": round(float(intercept), 2), "rate_TBps": round(1e-6 / float(slope), 2), "shapes": len(points)}
+
+
 def copy_bandwidth(device) -> float:
     """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -273,7 +285,7 @@ def main() -> None:
             fp16 = weight_seconds(lambda w: x @ w.T, dense)
             row = {"shape": f"{n}x{k}", "batch": batch, "fp16_us": round(fp16 * 1e6, 1)}
             if batch == 1:
-                row["fp16_bandwidth_fraction"] = round(2 * n * k / fp16 / bandwidth, 3)
+                row["fp16_bandwidth_fraction"], row["fp16_bytes"] = round(2 * n * k / fp16 / bandwidth, 3), 2 * n * k
             for kind, weight in weights.items():
                 for prefix, matmul in timed(kind).items():
                     error = (matmul(x, weight).float() - matmul_reference(x, weight).float()).abs().max().item()
@@ -282,6 +294,7 @@ def main() -> None:
                     row[f"{prefix}{kind}_max_abs_error"] = error
                     if batch == 1:
                         row[f"{prefix}{kind}_bandwidth_fraction"] = round(weight.nbytes / seconds / bandwidth, 3)
+                        row[f"{prefix}{kind}_bytes"] = weight.nbytes
                 if kind.removesuffix("-interleaved") in ("int4", "int8", "int3"):  # the launch shape the autotuner chose
                     tuned = (packed_int._GEMV if batch == 1 else packed_int._GEMM)[0]
                     row[f"{kind}_config"] = str(getattr(tuned, "best_config", ""))
@@ -301,7 +314,8 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows}
+    fits = {name: fit for name in ["fp16", *[f"{prefix}{kind}" for kind in kinds for prefix in versions]] if (fit := fixed_and_rate(rows, name))}
+    report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows, "batch1_fits": fits}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     columns = ["fp16_us", *[f"{prefix}{kind}_speedup" for kind in kinds for prefix in versions], "torch_24_speedup", "bnb_nf4_speedup", "fp16_bandwidth_fraction",
@@ -310,6 +324,9 @@ def main() -> None:
              "| shape | batch | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     for row in rows:
         lines.append(f"| {row['shape']} | {row['batch']} | " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    if fits:
+        lines += ["", "Batch 1, time = fixed + bytes read / rate, fitted over the shapes (least squares):", ""]
+        lines += [f"- {name}: {fit['fixed_us']} us a call + {fit['rate_TBps']} TB/s" for name, fit in fits.items()]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -836,6 +836,18 @@ def test_kernels_launch_as_programmatic_dependents_on_hopper_only(monkeypatch):
     assert packed_int.pdl_launch(torch.device("cuda", 0)) == {}
 
 
+def test_speed_benchmark_splits_batch1_time_into_a_fixed_cost_and_a_rate():
+    """kernel_speed.py's fit over the shapes timed: stop 40's two points of the served GEMV on an
+    H100 (8.65 MB in 6.86 us, 30.28 MB in 16.09 us; benchmarks/results/gemv_stages_h100.md) give
+    its 3.2 us a call and 2.35 TB/s; batched rows and a single size give no fit."""
+    from benchmarks.kernel_speed import fixed_and_rate
+
+    rows = [{"batch": 1, "int4_bytes": 8.65e6, "int4_us": 6.86}, {"batch": 1, "int4_bytes": 30.28e6, "int4_us": 16.09},
+            {"batch": 16, "int4_us": 20.0}]
+    assert fixed_and_rate(rows, "int4") == {"fixed_us": 3.17, "rate_TBps": 2.34, "shapes": 2}
+    assert fixed_and_rate(rows[:1] + rows[2:], "int4") is None and fixed_and_rate(rows, "fp16") is None
+
+
 def test_split_k_is_not_tried_for_bf16_outputs():
     """bf16 has 8 significant bits: partial sums added in it would lose the fp32 accumulation."""
     from compressors.packed_int import GEMV_CONFIGS, _split_k_fits
