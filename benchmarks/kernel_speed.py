@@ -36,6 +36,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -78,18 +79,9 @@ def load_kernels(path: Path):
     return module
 
 
-@contextlib.contextmanager
 def pdl_off():
-    """Programmatic dependent launch off (LMPRESS_PDL=0) inside, the setting restored after."""
-    setting = os.environ.get("LMPRESS_PDL")
-    os.environ["LMPRESS_PDL"] = "0"
-    try:
-        yield
-    finally:
-        if setting is None:
-            del os.environ["LMPRESS_PDL"]
-        else:
-            os.environ["LMPRESS_PDL"] = setting
+    """Programmatic dependent launch off (LMPRESS_PDL=0) inside, the environment restored after."""
+    return mock.patch.dict(os.environ, LMPRESS_PDL="0")
 
 
 def without_pdl(matmul):

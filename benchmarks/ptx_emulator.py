@@ -171,11 +171,15 @@ class Memory:
             raise MemoryError(f"misaligned {width * vector}-byte access at {[hex(a) for a in address[address % np.uint64(width * vector) != 0][:4]]}")
         return self.inside(address, width * vector)[:, None] + np.arange(width * vector)
 
+    def _located(self, address: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each address's offset, and the index of the array it falls in (-1 before the first)."""
+        start = address.astype(np.int64) - self.base
+        return start, np.searchsorted(self.starts, start, side="right") - 1
+
     def inside(self, address: np.ndarray, size: int) -> np.ndarray:
         """The offsets of `size` bytes at each address, each run inside one array: a kernel reading
         past its tensor into the next is wrong even where a GPU would not fault."""
-        start = address.astype(np.int64) - self.base
-        array = np.searchsorted(self.starts, start, side="right") - 1
+        start, array = self._located(address)
         outside = (array < 0) | (start + size > self.ends[np.maximum(array, 0)])
         if np.any(outside):
             raise MemoryError(f"access outside the arrays at {[hex(int(a)) for a in address[outside][:4]]}")
@@ -188,8 +192,7 @@ class Memory:
         two), and the distinct sectors read over the kernel (what a perfect cache would fetch)."""
         if self.traffic is None or not len(address):
             return
-        start = address.astype(np.int64) - self.base
-        array = np.searchsorted(self.starts, start, side="right") - 1
+        start, array = self._located(address)
         warp = (threads.astype(np.int64) // 32) << 40
         keys, owner = np.concatenate([warp | start // 32, warp | (start + size - 1) // 32]), np.concatenate([array, array])
         for a in np.unique(array):
@@ -228,7 +231,7 @@ class Block:
         # cp.async copies not yet landed: those issued since the last commit, and each committed group's
         self.copying: list[tuple[np.ndarray, np.ndarray]] = []
         self.committed: list[list[tuple[np.ndarray, np.ndarray]]] = []
-        self.awaiting = False  # before the griddepcontrol.wait of a kernel that has one: no global access but prefetches
+        self.awaiting = False  # before the griddepcontrol.wait of a kernel that has one: no global access but prefetches (`execute`)
 
     def value(self, token: str) -> np.ndarray:
         """An operand as bit patterns, one per thread."""
@@ -263,6 +266,7 @@ class Block:
         return (self.value(base) + np.uint64(int(offset, 0) if offset else 0)) & np.uint64((1 << 64) - 1)
 
     def execute(self, body: str) -> None:
+        self.awaiting = "griddepcontrol.wait" in body
         statements, labels = _program(body)
         pc = 0
         while pc < len(statements):
@@ -638,9 +642,7 @@ def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffi
     params = {name: values[i] if i < len(values) else 0 for i, name in enumerate(names)}
     for block in itertools.product(*(range(n) for n in grid)):
         # Triton's shared memory is `extern` (sized at launch): give the most a block may have on sm_90
-        program = Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0)
-        program.awaiting = "griddepcontrol.wait" in body
-        program.execute(body)
+        Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0).execute(body)
     memory.read_back(arrays)
     for entry in (traffic or {}).values():
         entry["distinct"] = 32 * len(entry["distinct"])
