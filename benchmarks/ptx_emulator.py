@@ -344,14 +344,21 @@ class Block:
             elif parts[1] == "mma_async":
                 self.wgmma(parts, ops)
             return  # wgmma.fence, commit_group, wait_group: each product is done as it is issued (see `wgmma`)
-        if name == "red":  # red.global...add.TYPE [address], value: one thread at a time, each add rounded
+        if name in ("red", "atom"):  # red...add.TYPE [address], value; atom...add.TYPE old, [address], value (Triton 3.6's
+            # split-K fp16, its result unused): one thread at a time, each add rounded
             assert "add" in parts and kind in ("f16", "bf16", "f32"), f"the emulator has no {opcode}"
+            result, ops = (ops[0], ops[1:]) if name == "atom" else (None, ops)
             read = _from_bf16 if kind == "bf16" else lambda bits: _as(bits, kind)
             address, value, width = self.address(ops[0]), read(self.value(ops[1])), _WIDTH[kind[-2:]] // 8
+            olds = np.zeros(self.threads, np.uint64)
             for thread in np.flatnonzero(threads):
-                (old,) = self.memory.load(address[thread:thread + 1], width, 1)
+                at = address[thread:thread + 1]
+                (old,) = self.memory.load(at, width, 1)
+                olds[thread] = old[0]
                 total = read(old).astype(np.float64) + float(value[thread])
-                self.memory.store(address[thread:thread + 1], [_to_bf16(total.astype(np.float32)) if kind == "bf16" else _bits(total.astype(read(old).dtype))], width)
+                self.memory.store(at, [_to_bf16(total.astype(np.float32)) if kind == "bf16" else _bits(total.astype(read(old).dtype))], width)
+            if result is not None:
+                self.write(result, olds, active)
             return
         if name == "mov":
             if ops[0].startswith("{"):  # unpack into parts

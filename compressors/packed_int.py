@@ -614,20 +614,26 @@ def _lines(words: int) -> int:
 
 
 @triton.jit
-def _await_inputs(packed_ptr, table_ptr, rn, u0, N, stored, stride_pn, stride_tn, GROUP: tl.constexpr, BITS: tl.constexpr,
+def _await_inputs(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, u0, N, stored, stride_pn, stride_tn, stride_zn, stride_bn,
+                  GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, SPARSE24: tl.constexpr,
                   UNITS: tl.constexpr, SPANS: tl.constexpr, CODES: tl.constexpr, PDL: tl.constexpr):
     """Launched as a programmatic dependent (PDL, `pdl_launch`), a program may start before the
     kernel ahead of it in the stream has finished. Until then it only prefetches into L2 the
-    words of its first block (a line each 32 words) and their scales or codebooks, which serving
-    never writes, so that the loop's first loads find them in L2 and not a device-memory round
-    trip away; then it waits for that kernel (griddepcontrol.wait: complete, its writes visible)
-    before it reads x or writes y, and lets the next kernel launch. Without PDL: nothing."""
+    words of its first block (a line each 32 words) and the line of each row's first scales or
+    codebook, zero points and 2:4 mask bytes, which serving never writes, so that the loop's
+    first loads find them in L2 and not a device-memory round trip away; then it waits for that
+    kernel (griddepcontrol.wait: complete, its writes visible) before it reads x or writes y,
+    and lets the next kernel launch. Without PDL: nothing."""
     if PDL:
         rw = u0 * SPANS + tl.arange(0, _lines(UNITS * SPANS)) * 32
         inside = (rn[:, None] < N) & (rw[None, :] < tl.cdiv(stored * BITS, 32))
         _prefetch_l2(tl.where(inside, packed_ptr + rn[:, None] * stride_pn + rw[None, :], packed_ptr))
         group = u0 * CODES // GROUP if GROUP else 0
         _prefetch_l2(tl.where(rn < N, table_ptr + rn * stride_tn + group, table_ptr))
+        if HAS_ZERO:
+            _prefetch_l2(tl.where(rn < N, zero_ptr + rn * stride_zn + group, zero_ptr))
+        if SPARSE24:  # a word's 2 * CODES dense columns take CODES / 4 mask bytes
+            _prefetch_l2(tl.where(rn < N, bitmask_ptr + rn * stride_bn + u0 * (CODES // 4), bitmask_ptr))
         gdc_wait()
         gdc_launch_dependents()
 
@@ -1134,7 +1140,8 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, UNITS), dtype=tl.float32)
     start, end = _k_slice(tl.cdiv(stored, CODES), UNITS, AXIS=1)
-    _await_inputs(packed_ptr, table_ptr, rn, start, N, stored, stride_pn, stride_tn, GROUP, BITS, UNITS, SPANS, CODES, PDL)
+    _await_inputs(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, start, N, stored, stride_pn, stride_tn, stride_zn, stride_bn,
+                  GROUP, BITS, HAS_ZERO, SPARSE24, UNITS, SPANS, CODES, PDL)
     for u0 in tl.range(start, end, UNITS, num_stages=STAGES):
         u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
         first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)
@@ -1210,7 +1217,8 @@ def _grid_gemm_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     start, end = _k_slice(tl.cdiv(stored, CODES), UNITS, AXIS=2)
-    _await_inputs(packed_ptr, table_ptr, rn, start, N, stored, stride_pn, stride_tn, GROUP, BITS, UNITS, SPANS, CODES, PDL)
+    _await_inputs(packed_ptr, table_ptr, zero_ptr, bitmask_ptr, rn, start, N, stored, stride_pn, stride_tn, stride_zn, stride_bn,
+                  GROUP, BITS, HAS_ZERO, SPARSE24, UNITS, SPANS, CODES, PDL)
     for u0 in range(start, end, UNITS):
         u0 = tl.multiple_of(u0, UNITS)  # slices start at whole blocks: the words' alignment, for wide loads
         first, second, third = _unit_words(packed_ptr, rn, u0, N, stored, stride_pn, BITS, UNITS, SPANS, EVEN)

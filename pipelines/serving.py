@@ -222,9 +222,10 @@ def validate(folder: Path, out: Path | None = None) -> dict:
         "layers": layers,
     }
     report["passed"] = not validation_failures(report)
-    if out is None:
+    if out is None:  # the artifact's own report vouches for the kernel copies it carries
         bundle_kernels(folder)
-    write_json(Path(out).expanduser() if out is not None else folder / VALIDATION_FILE, report)
+        out = folder / VALIDATION_FILE
+    write_json(Path(out).expanduser(), report)
     return report
 
 

@@ -606,6 +606,35 @@ def test_ptx_emulator_faults_a_dependent_launch_that_touches_memory_before_its_w
         launch(_DEPENDENT_PTX.replace("    griddepcontrol.wait;", f"    {early}\n    griddepcontrol.wait;"), (1,), [x, out])
 
 
+# each of 32 threads adds its fp16 x[lane] into out[lane % 4] with an atomic that returns the
+# value it replaced (Triton 3.6 compiles split-K's adds so), which it stores to out[4 + lane]
+_ATOMIC_PTX = _warp_kernel("atomic", """
+    .reg .b16 %rs<3>;
+    mul.wide.u32 %rd3, %r1, 2;
+    add.s64 %rd4, %rd1, %rd3;
+    ld.global.b16 %rs1, [%rd4 + 0];
+    and.b32 %r2, %r1, 3;
+    mul.wide.u32 %rd5, %r2, 2;
+    add.s64 %rd5, %rd2, %rd5;
+    atom.global.gpu.relaxed.add.noftz.f16 %rs2, [%rd5 + 0], %rs1;
+    add.s64 %rd4, %rd2, %rd3;
+    st.global.b16 [%rd4 + 8], %rs2;""")
+
+
+def test_ptx_emulator_adds_atomically_and_returns_the_value_replaced():
+    """atom...add (the split-K GEMV and GEMM as the H100 image's Triton 3.6 compiles them, where
+    3.9 emits red): each thread's add lands in turn, and each gets back the sum before its own."""
+    import numpy as np
+    from benchmarks.ptx_emulator import launch
+
+    x = np.arange(1, 33, dtype=np.float16)
+    out = np.zeros(4 + 32, np.float16)
+    launch(_ATOMIC_PTX, (1,), [x.view(np.int16), out.view(np.int16)])
+    by_slot = x.reshape(8, 4)
+    np.testing.assert_array_equal(out[:4], by_slot.sum(axis=0))
+    np.testing.assert_array_equal(out[4:].reshape(8, 4), np.cumsum(by_slot, axis=0) - by_slot)
+
+
 def test_tensor_core_gemv_computes_as_compiled_for_hopper(tmp_path):
     """The GEMV on the tensor cores (benchmarks/gemv_mma.py: each word decodes to its
     thread's mma.sync fragment; a GPU experiment, not served), compiled for sm_90 and its PTX run
