@@ -370,7 +370,11 @@ class Block:
                 sources = _registers(ops[1])
                 width, out = _WIDTH[kind[1:]] // len(sources), np.zeros(self.threads, np.uint64)
                 for i, source in enumerate(sources):
-                    out |= (self.value(source) & np.uint64((1 << width) - 1)) << np.uint64(width * i)
+                    # a part never written is LLVM's undef (Triton 3.6 packs one where only the other
+                    # half is read): all ones, a NaN or -1, so that a result that did use it is wrong
+                    unwritten = source.startswith("%") and source not in self.regs and not source.startswith(_SPECIAL)
+                    part = np.full(self.threads, (1 << width) - 1, np.uint64) if unwritten else self.value(source)
+                    out |= (part & np.uint64((1 << width) - 1)) << np.uint64(width * i)
                 self.write(ops[0], out, active)
             else:
                 self.write(ops[0], self.value(ops[1]) & np.uint64((1 << _WIDTH[kind[1:]]) - 1) if kind != "pred" else self.value(ops[1]), active)
@@ -392,6 +396,8 @@ class Block:
                         whole[threads] = part
                     memory.count(address[threads], width * vector, np.flatnonzero(threads))
                 for target, bits in zip(targets, loaded):
+                    if kind[0] == "s":  # ld.s8 / .s16 into a wider register sign-extends (Triton 3.6's int8 zero points)
+                        bits = _bits(_as(bits, kind).astype(np.int64))
                     self.write(target, bits, active)
             else:
                 values = [self.value(t) for t in _registers(ops[1])]

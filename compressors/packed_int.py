@@ -1178,10 +1178,16 @@ def _grid_gemv_kernel(x_ptr, packed_ptr, table_ptr, zero_ptr, bitmask_ptr, y_ptr
                     if HAS_ZERO:  # offset = 8 + zero point: the 8 is in the dot
                         codes_x -= (offset - 8.0) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
                 else:
-                    x = tl.reshape(x, (UNITS, CODES))
-                    codes_x = _centered_dot3(first, second, third, _split_code_order32(x), PTX)
+                    xs = _split_code_order32(tl.reshape(x, (UNITS, CODES)))
+                    codes_x = _centered_dot3(first, second, third, xs, PTX)
                     if HAS_ZERO:  # offset = 4 + zero point: the 4 is in the dot
-                        codes_x -= (offset - 4.0) * tl.sum(x, axis=1)[None, :]
+                        # x's sum from its 32 split parts, not tl.sum over the permuted, reshaped x:
+                        # Triton 3.6 (the H100 image's) reduced that over the wrong lanes, off by
+                        # order 1 (kernel_sass.py --check with 3.6 on PYTHONPATH; 3.9 is right)
+                        x_sum = xs[0]
+                        for j in tl.static_range(1, 32):
+                            x_sum += xs[j]
+                        codes_x -= (offset - 4.0) * x_sum[None, :]
             else:
                 x_sum = tl.zeros((UNITS,), dtype=tl.float32)
                 for j in tl.static_range(CODES):

@@ -65,7 +65,7 @@ def speculative_greedy(
     tokens = torch.cat([input_ids, logits.argmax(-1, keepdim=True)], dim=1)
     if prompt > 1:
         draft(input_ids=input_ids[:, :-1], past_key_values=draft_cache, use_cache=True, logits_to_keep=1)
-    stops = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [], dtype=torch.long, device=input_ids.device)
+    stops = stop_tokens(eos_token_id, input_ids.device)
     forwards, proposed, accepted = 1, 0, 0
     while tokens.shape[1] - prompt < max_new_tokens and not torch.isin(tokens[0, prompt:], stops).any():
         # draft: from its cache (everything but the newest tokens) propose k tokens
@@ -87,6 +87,15 @@ def speculative_greedy(
         agree = int((offered == predicted[: offered.numel()]).long().cumprod(0).sum())
         tokens = torch.cat([proposal[:, : tokens.shape[1] + agree], predicted[agree].view(1, 1)], dim=1)
         forwards, proposed, accepted = forwards + 1, proposed + offered.numel(), accepted + agree
+    return SpeculativeResult(until_stop(tokens, prompt, stops, max_new_tokens), prompt, forwards, proposed, accepted)
+
+
+def stop_tokens(eos_token_id: int | list[int] | None, device: torch.device) -> torch.Tensor:
+    """The end-of-text ids (a generation config's int, list or None) as a tensor."""
+    return torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id or [], dtype=torch.long, device=device)
+
+
+def until_stop(tokens: torch.Tensor, prompt: int, stops: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """tokens [1, n] cut after the first new end-of-text token, or after `max_new_tokens` new ones."""
     stopped = torch.isin(tokens[0, prompt:], stops).nonzero()
-    end = prompt + (int(stopped[0]) + 1 if stopped.numel() else max_new_tokens)
-    return SpeculativeResult(tokens[:, :end], prompt, forwards, proposed, accepted)
+    return tokens[:, : prompt + (int(stopped[0]) + 1 if stopped.numel() else max_new_tokens)]

@@ -453,11 +453,12 @@ def generate(
     draft_model: Optional[str] = typer.Option(None, "--draft", help="A draft for speculative decoding (the same output, fewer target forwards)."),
     lookahead: Optional[int] = typer.Option(None, help="With --draft: tokens the draft proposes per target forward [default: 4]."),
     allow_other_target: bool = ALLOW_OTHER_TARGET,
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On a GPU, run each decoding step as a CUDA graph's replay (no Python per token); off: eagerly."),
 ):
     """Continue a prompt greedily with the model, served with its packed kernels where it has them."""
     from pipelines.serving import generate as run
 
-    out_console.print(run(artifact, prompt, max_new_tokens, draft_model, lookahead, allow_other_target), markup=False, highlight=False)
+    out_console.print(run(artifact, prompt, max_new_tokens, draft_model, lookahead, allow_other_target, cuda_graphs), markup=False, highlight=False)
 
 
 @app.command()

@@ -303,8 +303,80 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
 
 
 @torch.no_grad()
-def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None = None, lookahead: int | None = None, allow_other_target: bool = False) -> str:
-    """Greedy continuation; with a `draft`, by speculative decoding (the same text, fewer target
+@torch.no_grad()
+def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
+                  cuda_graph: bool = False) -> tuple[torch.Tensor, bool]:
+    """Greedy decoding of `input_ids` [1, n]: the argmax at each step (as `speculative_greedy`,
+    so a draft changes the number of forwards, never the text), `max_new_tokens` new tokens or
+    up to and including an end-of-text one. Returns the tokens [1, n + new] and whether a CUDA
+    graph ran the steps.
+
+    The KV cache is transformers' StaticCache, so every step after the prompt is the same
+    fixed-shape forward over tensors at fixed addresses (the cache, the token in and out, its
+    position). With `cuda_graph` that step is captured once and replayed per token. Why: run
+    eagerly, each step re-runs the Python of transformers, of PackedLinear and of Triton's
+    launcher. On an H100 that host time was 110-260 us per packed linear against a few us of
+    kernel time, and a packed linear was 4-8x slower than fp16 per eager call
+    (benchmarks/results/latency_h100.md). A replay launches the step's kernels with no Python.
+    Kernels are compiled, autotuned and picked in two warm-up steps on a throwaway cache before
+    capture, since a capture cannot time or synchronize. A capture that fails warns and the
+    steps run eagerly: the same tokens, slower."""
+    from transformers import StaticCache
+
+    from compressors.speculative import stop_tokens, until_stop
+    from pipelines.progress import stderr
+
+    prompt, device = input_ids.shape[1], input_ids.device
+    stops = stop_tokens(eos_token_id, device)
+
+    def new_cache():
+        return StaticCache(config=model.config, max_cache_len=prompt + max_new_tokens)
+
+    def decode_step(cache, token: torch.Tensor, position: torch.Tensor):
+        """One step: token [1, 1] at position [1] in, the next token out in its place."""
+        def step():
+            logits = model(input_ids=token, position_ids=position.view(1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+            position.add_(1)
+        return step
+
+    cache = new_cache()
+    logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    position = torch.full((1,), prompt, dtype=torch.long, device=device)
+    step, graphed = decode_step(cache, token, position), False
+    if cuda_graph and max_new_tokens > 1:
+        try:
+            step, graphed = _captured(decode_step, new_cache, step, token, position), True
+        except RuntimeError as error:  # e.g. an op that synchronizes; the steps are still right eagerly
+            stderr.print(f"warning: CUDA graph capture failed ({str(error).splitlines()[0][:200]}); decoding eagerly", markup=False, highlight=False)
+    new = [token.clone()]
+    while len(new) < max_new_tokens and not torch.isin(new[-1], stops).any():
+        step()
+        new.append(token.clone())
+    return until_stop(torch.cat([input_ids, *new], dim=1), prompt, stops, max_new_tokens), graphed
+
+
+def _captured(decode_step, new_cache, step, token: torch.Tensor, position: torch.Tensor):
+    """`step` as a CUDA graph's replay. Warm-up runs on a side stream (as torch asks before a
+    capture) on its own cache, token and position, so the real ones are untouched."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm = decode_step(new_cache(), token.clone(), position.clone())
+        for _ in range(2):
+            warm()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None = None, lookahead: int | None = None, allow_other_target: bool = False,
+             cuda_graphs: bool = True) -> str:
+    """Greedy continuation (`greedy_decode`: on a GPU each step a CUDA graph's replay unless
+    `cuda_graphs` is off); with a `draft`, by speculative decoding (the same text, fewer target
     forwards; the counts go to stderr)."""
     from compressors.speculative import speculative_greedy
     from pipelines.progress import stderr
@@ -323,13 +395,13 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
         f"the prompt's {length} tokens and --max-new-tokens {max_new_tokens} exceed the model's context of {context} tokens; "
         f"pass --max-new-tokens {max(context - length, 0)} or less" + (" and a shorter prompt" if length >= context else ""),
     )
+    eos = loaded.model.generation_config.eos_token_id
     if draft is None:
-        output = loaded.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        output, _ = greedy_decode(loaded.model, inputs["input_ids"], max_new_tokens, eos, cuda_graph=cuda_graphs and device == "cuda")
     else:
         model, token_ids = load_draft(draft, loaded, allow_other_target)
         model.to(device)
         token_ids = None if token_ids is None else token_ids.to(device)
-        eos = loaded.model.generation_config.eos_token_id
         result = speculative_greedy(loaded.model, model, inputs["input_ids"], max_new_tokens, lookahead, token_ids, eos)
         output = result.tokens
         stderr.print(

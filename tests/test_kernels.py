@@ -635,6 +635,39 @@ def test_ptx_emulator_adds_atomically_and_returns_the_value_replaced():
     np.testing.assert_array_equal(out[4:].reshape(8, 4), np.cumsum(by_slot, axis=0) - by_slot)
 
 
+# each of 32 threads loads its signed byte x[lane] (ld.s8 sign-extends into the 16-bit register),
+# converts it to fp32 and stores it; it also packs the byte's register with one never written
+# (LLVM's undef, which Triton 3.6 emits where only the low half is read) and stores both halves
+_BYTES_PTX = _warp_kernel("bytes", """
+    .reg .b16 %rs<4>;
+    cvt.u64.u32 %rd3, %r1;
+    add.s64 %rd4, %rd1, %rd3;
+    ld.global.s8 %rs1, [%rd4 + 0];
+    cvt.rn.f32.s16 %r2, %rs1;
+    mul.wide.u32 %rd3, %r1, 8;
+    add.s64 %rd5, %rd2, %rd3;
+    st.global.b32 [%rd5 + 0], %r2;
+    mov.b32 %r3, {%rs1, %rs3};
+    st.global.b32 [%rd5 + 4], %r3;""")
+
+
+def test_ptx_emulator_sign_extends_signed_loads_and_poisons_undefined_parts():
+    """Two PTX details Triton 3.6 (the H100 image's compiler) relies on where 3.9 does not, found
+    when `kernel_sass.py --check` ran with it: int8 zero points loaded with ld.s8 into a wider
+    register are sign-extended (read as unsigned, a zero point of -1 became 255); and a register
+    packed beside one never written reads that part as all ones (a NaN or -1), so a kernel that
+    did use it fails its check instead of passing by luck."""
+    import numpy as np
+    from benchmarks.ptx_emulator import launch
+
+    x = np.arange(-16, 16, dtype=np.int8)
+    out = np.zeros((32, 2), np.uint32)
+    launch(_BYTES_PTX, (1,), [x, out])
+    np.testing.assert_array_equal(out[:, 0].view(np.float32), x.astype(np.float32))
+    np.testing.assert_array_equal(out[:, 1] & 0xFFFF, x.astype(np.int16).view(np.uint16))
+    assert (out[:, 1] >> 16 == 0xFFFF).all()
+
+
 def test_tensor_core_gemv_computes_as_compiled_for_hopper(tmp_path):
     """The GEMV on the tensor cores (benchmarks/gemv_mma.py: each word decodes to its
     thread's mma.sync fragment; a GPU experiment, not served), compiled for sm_90 and its PTX run

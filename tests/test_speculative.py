@@ -3,13 +3,14 @@ contributed: a draft that is the target is always accepted, an unrelated one nev
 draft with a remapped (trimmed) vocabulary is verified in the target's ids."""
 
 import math
+import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from compressors.speculative import speculative_greedy
-from conftest import tiny_config
+from conftest import FAMILIES, tiny_config, tiny_model
 
 
 def tiny(seed: int):
@@ -60,3 +61,46 @@ def test_decoding_stops_after_an_end_of_text_token_as_generate_does(target_and_p
     for draft in (target, tiny(1)):
         result = speculative_greedy(target, draft, prompt, 30, 4, eos_token_id=eos)
         assert torch.equal(result.tokens, stopped) and result.new_tokens == stopped.shape[1] - prompt.shape[1] <= 11
+
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_greedy_decoding_on_a_static_cache_is_generates_output(family):
+    """`lmpress generate` without a draft (pipelines.serving.greedy_decode): a static KV cache and
+    a fixed-shape step (what a CUDA graph captures on a GPU; here run eagerly) give exactly
+    transformers' greedy output in every family, sliding-window layers (8 positions, shorter
+    than the 37 tokens) included; they stop after an end-of-text token as it does, and take one
+    token. Queries and keys are scaled up so attention is sharp: at init it is near uniform, and a
+    position off by one went unnoticed."""
+    from pipelines.serving import greedy_decode
+
+    target = tiny_model(family)
+    for name, parameter in target.named_parameters():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            parameter.data *= 8
+    prompt = torch.randint(0, 320, (1, 7), generator=torch.Generator().manual_seed(0))
+    whole = torch.ones_like(prompt)  # else generate takes the prompt's token 0, the pad id, for padding
+    greedy = target.generate(prompt, attention_mask=whole, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    tokens, graphed = greedy_decode(target, prompt, 30)
+    assert torch.equal(tokens, greedy) and not graphed
+    eos = int(greedy[0, prompt.shape[1] + 10])
+    stopped = target.generate(prompt, attention_mask=whole, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(greedy_decode(target, prompt, 30, [eos, 10**6])[0], stopped)
+    assert torch.equal(greedy_decode(target, prompt, 1)[0], greedy[:, : prompt.shape[1] + 1])
+
+
+def test_decoding_benchmark_runs_here(tmp_path, tiny_folder):
+    """benchmarks/decode_graphs.py (CUDA graphs against eager decoding; its timing is a GPU's):
+    on the CPU it decodes the dense and the packed model with generate and eagerly, and each
+    pair gives the same tokens, so a GPU call spends its minutes on timing, not on a broken script."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "decode_graphs.py")
+    result = subprocess.run([sys.executable, script, "--model", str(tiny_folder), "--level", "bits4g32", "--prompt-tokens", "5",
+                             "--new-tokens", "4", "--rounds", "1", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "decode_graphs.json").read_text())["rows"]
+    assert [(r["model"], r["decoding"]) for r in rows] == [(m, d) for m in ("dense", "packed bits4g32") for d in ("generate", "eager")]
+    assert all(r["same_tokens_as_eager"] and not r["graphed"] for r in rows)
