@@ -1,7 +1,7 @@
 """`lmpress generate`'s greedy decoding, eagerly and as CUDA-graph replays, for a model dense and
 with every decoder linear packed, side by side in one run.
 
-    python benchmarks/decode_graphs.py --model .gpu-latency/model [--level bits4g128] [--out DIR]
+    python benchmarks/decode_graphs.py --model .gpu-latency/model [--level bits4g64] [--out DIR]
 
 The model is built from its folder's config.json with random weights (speed does not depend on
 them, and a GPU machine need not hold the weights), in fp16 on a GPU (fp32 on the CPU). "packed"
@@ -92,7 +92,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m", help="a model spec or a folder with its config.json")
-    parser.add_argument("--level", default="bits4g128", help="the packed level (a level database's name: bits4g128, bits3g64, ...)")
+    parser.add_argument("--level", default="bits4g64", help="the packed level (a level database's name: bits4g64, bits3g64, ...)")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)

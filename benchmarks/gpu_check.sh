@@ -25,13 +25,17 @@
 #               mkdir -p .gpu-latency/model .gpu-latency/levels
 #               cp ~/.cache/lmpress/models/smollm2-135m/config.json .gpu-latency/model/
 #               cp artifacts/levels/manifest.json .gpu-latency/levels/     (the pipeline's database, or another)
+#   decode    benchmarks/decode_graphs.py: `lmpress generate`'s greedy decoding, transformers' generate,
+#             the eager static-cache loop and its CUDA-graph replays, dense and with every decoder
+#             linear packed (bits4g64), from the same $LATENCY/model/config.json (random weights), its
+#             launches compiled first as for latency (at batch 1 and the prompt's 32 rows too)
 # Reports go to $OUT (default /tmp/lmpress-gpu), the full log to $OUT/gpu_check.log. Packages the
 # machine lacks (compressed-tensors, bitsandbytes and their needs) may be carried as wheels in .whl/.
 #
 # TESTS_K replaces the tests' selection (e.g. "every_tuned and pipelined": the GEMV launches that
 # copy blocks ahead).
 #
-#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [gemv] [gluon] [mma] [latency]   (default: all but gemv, gluon and mma)
+#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [gemv] [gluon] [mma] [latency] [decode]   (default: all but gemv, gluon, mma and decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lmpress-gpu}
@@ -89,15 +93,23 @@ if [[ " $STEPS " == *" mma "* ]]; then
     python3 benchmarks/gemv_mma.py --compile-workers "${COMPILE_WORKERS:-14}" --out "$OUT/mma" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     grep -E " best: |Error" "$LOG" | tail -6
 fi
-if [[ " $STEPS " == *" latency "* ]]; then
+for step in latency decode; do
+    [[ " $STEPS " == *" $step "* ]] || continue
     if [ -f "$LATENCY/model/config.json" ] && [ -f "$LATENCY/levels/manifest.json" ]; then
         # the tuner would compile each level's launches one after another (over 200 s on an H100)
-        python3 benchmarks/kernel_speed.py --levels "$LATENCY/levels" --batches 1 --compile-workers "${COMPILE_WORKERS:-14}" >>"$LOG" 2>&1
-        python3 -m pipelines.cli latency --model "$LATENCY/model" --levels "$LATENCY/levels" --random-weights --device cuda \
-            --out "$OUT/latency.json" >>"$LOG" 2>&1 || status=1
-        tail -4 "$LOG"
+        batches=1
+        [ "$step" = decode ] && batches=1,32
+        python3 benchmarks/kernel_speed.py --levels "$LATENCY/levels" --batches "$batches" --compile-workers "${COMPILE_WORKERS:-14}" >>"$LOG" 2>&1
+        if [ "$step" = latency ]; then
+            python3 -m pipelines.cli latency --model "$LATENCY/model" --levels "$LATENCY/levels" --random-weights --device cuda \
+                --out "$OUT/latency.json" >>"$LOG" 2>&1 || status=1
+            tail -4 "$LOG"
+        else
+            python3 benchmarks/decode_graphs.py --model "$LATENCY/model" --level bits4g64 --out "$OUT/decode" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
+            cat "$OUT/decode/decode_graphs.md" 2>/dev/null
+        fi
     else
-        echo "latency: $LATENCY/model/config.json and $LATENCY/levels/manifest.json are missing (see the top of this script)"
+        echo "$step: $LATENCY/model/config.json and $LATENCY/levels/manifest.json are missing (see the top of this script)"
     fi
-fi
+done
 exit $status
