@@ -107,8 +107,8 @@ def main() -> None:
     rows = [{"model": "dense", **row} for row in decode_rows(network, prompt, args.new_tokens, args.rounds)]
     with _linears_swapped(network, packed_linears(network, args.level, dtype, device)):
         rows += [{"model": f"packed {args.level}", **row} for row in decode_rows(network, prompt, args.new_tokens, args.rounds)]
+    base = rows[0]  # dense, transformers' generate
     for row in rows:
-        base = next(r for r in rows if r["model"] == "dense" and r["decoding"] == "generate")
         row["speed_vs_dense_generate"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     report = {"device": device_name, "torch": torch.__version__, "params": vars(args) | {"out": str(args.out)}, "rows": rows}

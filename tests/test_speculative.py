@@ -63,7 +63,6 @@ def test_decoding_stops_after_an_end_of_text_token_as_generate_does(target_and_p
         assert torch.equal(result.tokens, stopped) and result.new_tokens == stopped.shape[1] - prompt.shape[1] <= 11
 
 
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plain_greedy_decoding_on_a_static_cache_is_generates_output(family):
     """`lmpress generate` without a draft (pipelines.serving.greedy_decode): a static KV cache and
