@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REAL_MODEL, leftovers, run_cli
+from conftest import REAL_MODEL, leftovers, refuse_in_process, run_cli
 
 SMALL = ["--samples", "4", "--seq-len", "32", "--batch-size", "2"]
 
@@ -42,6 +42,8 @@ def test_usage_mistakes_print_one_error_line(tmp_path, args, message):
 
 
 def test_model_path_that_does_not_exist(tmp_path):
+    # one stage refusal as a user meets it, in a fresh interpreter; the others run in this
+    # process (refuse_in_process), through the same entry point, without 5-10 s of imports each
     out = tmp_path / "cal"
     assert_user_error(run_cli("calibrate", "--model", tmp_path / "nope", "--out", out, *SMALL), "does not exist; pass an existing folder", out)
 
@@ -49,7 +51,7 @@ def test_model_path_that_does_not_exist(tmp_path):
 def test_folder_without_config(tmp_path):
     (tmp_path / "empty").mkdir()
     out = tmp_path / "cal"
-    assert_user_error(run_cli("calibrate", "--model", tmp_path / "empty", "--out", out, *SMALL), "has no config.json", out)
+    assert_user_error(refuse_in_process("calibrate", "--model", tmp_path / "empty", "--out", out, *SMALL), "has no config.json", out)
 
 
 def test_unsupported_architecture(tmp_path):
@@ -58,7 +60,7 @@ def test_unsupported_architecture(tmp_path):
     GPT2Config(n_layer=1).save_pretrained(tmp_path / "gpt2")
     out = tmp_path / "cal"
     assert_user_error(
-        run_cli("calibrate", "--model", tmp_path / "gpt2", "--out", out, *SMALL),
+        refuse_in_process("calibrate", "--model", tmp_path / "gpt2", "--out", out, *SMALL),
         "model type 'gpt2' is not supported; lmpress supports llama, mistral, qwen2, qwen3, gemma2, gemma3_text", out,
     )
 
@@ -67,7 +69,7 @@ def test_truncated_safetensors(tmp_path, tiny_folder):
     weights = tiny_folder / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
     out = tmp_path / "cal"
-    assert_user_error(run_cli("calibrate", "--model", tiny_folder, "--out", out, *SMALL), "is truncated", out)
+    assert_user_error(refuse_in_process("calibrate", "--model", tiny_folder, "--out", out, *SMALL), "is truncated", out)
 
 
 def test_model_without_tokenizer(tmp_path, tiny_folder):
@@ -77,30 +79,30 @@ def test_model_without_tokenizer(tmp_path, tiny_folder):
     for name in TOKENIZER_FILES:
         (tiny_folder / name).unlink(missing_ok=True)
     out = tmp_path / "q"
-    assert_user_error(run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--out", out), "has no tokenizer", out)
+    assert_user_error(refuse_in_process("quantize", "--model", tiny_folder, "--method", "rtn", "--out", out), "has no tokenizer", out)
 
 
 def test_corpus_shorter_than_samples_times_length(tmp_path):
     (tmp_path / "short.txt").write_text("Too short to calibrate on.")
     out = tmp_path / "cal"
-    result = run_cli("calibrate", "--corpus", tmp_path / "short.txt", "--out", out, "--samples", "8", "--seq-len", "512")
+    result = refuse_in_process("calibrate", "--corpus", tmp_path / "short.txt", "--out", out, "--samples", "8", "--seq-len", "512")
     assert_user_error(result, "fewer than the 8 needed; pass a smaller --samples or --seq-len, or more text", out)
 
 
 def test_unknown_corpus_name(tmp_path):
     out = tmp_path / "cal"
-    assert_user_error(run_cli("calibrate", "--corpus", "wikitext", "--out", out, *SMALL), "unknown corpus 'wikitext'", out)
+    assert_user_error(refuse_in_process("calibrate", "--corpus", "wikitext", "--out", out, *SMALL), "unknown corpus 'wikitext'", out)
 
 
 def test_non_positive_sample_count(tmp_path):
     out = tmp_path / "cal"
-    assert_user_error(run_cli("calibrate", "--out", out, "--samples", "0"), "samples must be positive (got 0)", out)
+    assert_user_error(refuse_in_process("calibrate", "--out", out, "--samples", "0"), "samples must be positive (got 0)", out)
 
 
 def test_output_path_that_is_a_file(tmp_path):
     out = tmp_path / "taken"
     out.write_text("precious")
-    assert_user_error(run_cli("calibrate", "--out", out, *SMALL), "is a file")
+    assert_user_error(refuse_in_process("calibrate", "--out", out, *SMALL), "is a file")
     assert out.read_text() == "precious"
 
 
@@ -164,6 +166,8 @@ def test_interrupted_calibration_leaves_no_artifact_and_reruns(tmp_path, sig):
     if sig != signal.SIGKILL:  # SIGTERM (kill, a scheduler's timeout) unwinds as Ctrl-C does
         assert process.returncode == 130 and "Traceback" not in stderr and "interrupted" in stderr
         assert leftovers(out) == []
+        return  # nothing is left, so a rerun is a first run
+    # SIGKILL cannot be caught: its half-written folder is left, and the rerun must not trip on it
     rerun = run_cli("calibrate", "--model", REAL_MODEL, "--out", out, "--samples", "4", "--seq-len", "64")
     assert rerun.returncode == 0, rerun.stderr
     assert len(list((out / "stats").glob("*.safetensors"))) == 30 and leftovers(out) == []
@@ -173,20 +177,20 @@ def test_evaluate_generate_and_validate_refuse_bad_paths_and_values(tmp_path):
     model_copy = tmp_path / "not-a-reference"  # a folder that is not a reference cache is never replaced by one
     model_copy.mkdir()
     (model_copy / "config.json").write_text("{}")
-    assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", model_copy), "is a folder of other files than an lmpress output")
+    assert_user_error(refuse_in_process("evaluate", REAL_MODEL, "--reference", model_copy), "is a folder of other files than an lmpress output")
     assert (model_copy / "config.json").read_text() == "{}"
     (model_copy / "manifest.json").write_text('{"format": "lmpress-calibration/1"}')
-    assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", model_copy), "is not an lmpress reference cache")
-    assert_user_error(run_cli("generate", REAL_MODEL, " "), "the prompt is empty")
-    assert_user_error(run_cli("generate", REAL_MODEL, "Hi", "--max-new-tokens", "0"), "--max-new-tokens must be positive (got 0)")
-    assert_user_error(run_cli("generate", REAL_MODEL, "Hi", "--lookahead", "8"), "--lookahead sets how many tokens a draft proposes; pass --draft MODEL")
-    assert_user_error(run_cli("evaluate", REAL_MODEL, "--reference", tmp_path / "ref", "--windows", "2", "--seq-len", "100000"),
+    assert_user_error(refuse_in_process("evaluate", REAL_MODEL, "--reference", model_copy), "is not an lmpress reference cache")
+    assert_user_error(refuse_in_process("generate", REAL_MODEL, " "), "the prompt is empty")
+    assert_user_error(refuse_in_process("generate", REAL_MODEL, "Hi", "--max-new-tokens", "0"), "--max-new-tokens must be positive (got 0)")
+    assert_user_error(refuse_in_process("generate", REAL_MODEL, "Hi", "--lookahead", "8"), "--lookahead sets how many tokens a draft proposes; pass --draft MODEL")
+    assert_user_error(refuse_in_process("evaluate", REAL_MODEL, "--reference", tmp_path / "ref", "--windows", "2", "--seq-len", "100000"),
                       "1 windows of 100000, fewer than the 2 needed; pass a smaller --windows or --seq-len, or more text")
-    assert_user_error(run_cli("validate", REAL_MODEL, "--out", tmp_path), f"output path {tmp_path} is a directory")
-    assert_user_error(run_cli("validate", model_copy.parent / "nope"), "is not a folder; pass a quantized or pruned artifact")
+    assert_user_error(refuse_in_process("validate", REAL_MODEL, "--out", tmp_path), f"output path {tmp_path} is a directory")
+    assert_user_error(refuse_in_process("validate", model_copy.parent / "nope"), "is not a folder; pass a quantized or pruned artifact")
     (tmp_path / "stats").mkdir()  # e.g. a calibration artifact: no model in it
-    assert_user_error(run_cli("validate", tmp_path / "stats"), "stats has no config.json, so holds no model; pass a quantized or pruned artifact")
-    assert_user_error(run_cli("generate", REAL_MODEL, "Hi", "--max-new-tokens", "100000"),
+    assert_user_error(refuse_in_process("validate", tmp_path / "stats"), "stats has no config.json, so holds no model; pass a quantized or pruned artifact")
+    assert_user_error(refuse_in_process("generate", REAL_MODEL, "Hi", "--max-new-tokens", "100000"),
                       "the prompt's 1 tokens and --max-new-tokens 100000 exceed the model's context of 8192 tokens; pass --max-new-tokens 8191 or less")
     assert list(tmp_path.glob(".*partial*")) == []
 
@@ -210,16 +214,16 @@ def test_damaged_model_files_are_one_line_and_reports_never_overwrite_them(tmp_p
     ]:
         weights.write_bytes(content)
         for command in (["generate", model, "Hi"], ["validate", model, "--out", tmp_path / "v.json"]):
-            assert_user_error(run_cli(*command), message)
+            assert_user_error(refuse_in_process(*command), message)
     weights.unlink()
     weights.symlink_to(base / "model.safetensors")
     (model / "config.json").unlink()
     (model / "config.json").write_text("[]")
-    assert_user_error(run_cli("validate", model, "--out", tmp_path / "v.json"), "config.json is not a JSON object")
+    assert_user_error(refuse_in_process("validate", model, "--out", tmp_path / "v.json"), "config.json is not a JSON object")
     weights.unlink()
     weights.write_bytes(b"keep")
-    assert_user_error(run_cli("validate", model, "--out", weights), "is a file that is not a JSON report")
-    assert_user_error(run_cli("validate", model, "--out", model / "lineage.json"), "would overwrite a file of the artifact")
+    assert_user_error(refuse_in_process("validate", model, "--out", weights), "is a file that is not a JSON report")
+    assert_user_error(refuse_in_process("validate", model, "--out", model / "lineage.json"), "would overwrite a file of the artifact")
     assert weights.read_bytes() == b"keep" and not (model / "lineage.json").exists()
 
 
@@ -238,7 +242,7 @@ def test_evaluate_base_then_rescore_against_the_cached_reference(tmp_path):
         assert abs(m1[corpus]["perplexity"] - m2[corpus]["perplexity"]) < 1e-3
     assert 10 < m1["austen-heldout"]["perplexity"] < 40
     assert m1["parameters"] == 134_515_008 and m1["bits_per_weight"] == 32.0
-    mismatch = run_cli(*args[:-2], "--seq-len", "64")
+    mismatch = refuse_in_process(*args[:-2], "--seq-len", "64")
     assert_user_error(mismatch, "was built with windows=2, seq_len=128")
 
 
@@ -258,7 +262,7 @@ def test_evaluate_a_model_made_elsewhere_against_the_base_reference(tmp_path):
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "other")
     args = ["--reference", tmp_path / "ref", "--windows", "1", "--seq-len", "64", "--corpora", "austen-heldout"]
     assert run_cli("evaluate", REAL_MODEL, *args).returncode == 0
-    refused = run_cli("evaluate", tmp_path / "other", *args)
+    refused = refuse_in_process("evaluate", tmp_path / "other", *args)
     assert_user_error(refused, "was built from another base model")
     scored = run_cli("evaluate", tmp_path / "other", *args, "--base", REAL_MODEL, "--out", tmp_path / "m.json")
     assert scored.returncode == 0, scored.stderr
