@@ -407,6 +407,7 @@ def main() -> None:
     parser.add_argument("--gemv-layouts", action="store_true", help="the int4 GEMV's loop at each launch shape, unit order and interleaved")
     parser.add_argument("--gemm-layouts", action="store_true", help="the same for the int4 GEMM")
     parser.add_argument("--every-launch", action="store_true", help="emulate every launch shape the tuner may pick; exit 1 on a failure")
+    parser.add_argument("--shard", default="1/1", help="with --check: I/N checks every N-th path from the I-th (the test runs shards in parallel)")
     parser.add_argument("--bits", type=int, default=4, help="with --gemv-layouts / --gemm-layouts: 3, 4 or 8")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_sass")
     args = parser.parse_args()
@@ -417,8 +418,10 @@ def main() -> None:
     if args.every_launch:
         return every_launch(args.out.with_name("every_launch_emulated"))
     if args.check:
+        shard, shards = (int(part) for part in args.shard.split("/"))
+        cases = CASES[shard - 1 :: shards]
         failed, spilled, errors = [], [], []
-        for title, name, constexprs in CASES:
+        for title, name, constexprs in cases:
             constexprs = {**constexprs, **ON_HOPPER} if name.startswith("_grid") else constexprs
             # each kind of activation; fp16 GEMMs also as launched on aligned layers (4096 wide),
             # where ptxas schedules the tensor-core loop differently
@@ -445,10 +448,10 @@ def main() -> None:
         # spills are reported, not failed: they depend on the launch shape, which the tuner times
         print("\n".join(spilled + failed) or "no register spills at these launch shapes")
         if not failed:
-            print(f"all {len(CASES)} kernel paths compile for sm_90 with fp16, bf16 and fp32 activations "
+            print(f"all {len(cases)} kernel paths" + (f" of shard {args.shard}" if shards > 1 else "") + " compile for sm_90 with fp16, bf16 and fp32 activations "
                   "(GEMMs aligned too), with no performance warning from ptxas; the PTX of every one (GEMV, GEMM, dequantize), "
                   "emulated, is within " +
-                  ", ".join(f"{max(e for kind, e in errors if kind == activations):.1e} ({activations}, {sum(kind == activations for kind, _ in errors)} paths)"
+                  ", ".join(f"{max((e for kind, e in errors if kind == activations), default=0.0):.1e} ({activations}, {sum(kind == activations for kind, _ in errors)} paths)"
                             for activations in EMULATED_TOLERANCE) + " of the reference")
         raise SystemExit(1 if failed else 0)
 

@@ -43,12 +43,11 @@ def quantized(tmp_path_factory, real_model_folder) -> tuple[Path, Path]:
     """A 4-bit RTN artifact of a tiny Llama and a folder holding its and its base's evaluate
     metrics. (The real model's card is checked by test_dvc's publish stage, a dry run.)"""
     from conftest import save_tiny, tiny_config
-    from pipelines.stages import EvaluateConfig, evaluate
+    from pipelines.stages import EvaluateConfig, QuantizeConfig, evaluate, quantize
 
     root = tmp_path_factory.mktemp("publish")
     base, artifact = save_tiny(root / "tiny", tiny_config("llama"), real_model_folder), root / "tiny-rtn4"
-    result = run_cli("quantize", "--model", base, "--method", "rtn", "--bits", "4", "--group-size", "32", "--out", artifact)
-    assert result.returncode == 0, result.stderr
+    quantize(str(base), None, artifact, QuantizeConfig(method="rtn", bits=4, group_size=32))
     settings = EvaluateConfig(windows=1, seq_len=64)
     evaluate(str(artifact), root / "reference", root / "metrics" / "quantized.json", settings)
     evaluate(str(base), root / "reference", root / "metrics" / "base.json", settings)

@@ -225,11 +225,12 @@ def test_quantize_refuses_outputs_that_would_lose_an_input(tmp_path, tiny_folder
 
 
 def test_calibration_from_another_model_is_refused(tmp_path, tiny_folder):
+    from pipelines.stages import CalibrateConfig, calibrate
+
     calibration = tmp_path / "cal"
-    result = run_cli("calibrate", "--model", "smollm2-135m", "--out", calibration, "--samples", "2", "--seq-len", "16")
-    assert result.returncode == 0, result.stderr
+    calibrate("smollm2-135m", calibration, CalibrateConfig(samples=2, seq_len=16))
     out = tmp_path / "q"
-    result = run_cli("quantize", "--model", tiny_folder, "--calibration", calibration, "--group-size", "32", "--out", out)
+    result = refuse_in_process("quantize", "--model", tiny_folder, "--calibration", calibration, "--group-size", "32", "--out", out)
     assert result.returncode == 2 and "was made for another base model" in result.stderr
     assert not out.exists()
 

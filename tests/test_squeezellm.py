@@ -74,10 +74,9 @@ def test_bad_codebook_bits():
 
 @pytest.fixture
 def tiny_calibration(tmp_path, tiny_folder):
-    out = tmp_path / "cal"
-    result = run_cli("calibrate", "--model", tiny_folder, "--out", out, "--samples", "4", "--seq-len", "32")
-    assert result.returncode == 0, result.stderr
-    return out
+    from pipelines.stages import CalibrateConfig, calibrate
+
+    return calibrate(str(tiny_folder), tmp_path / "cal", CalibrateConfig(samples=4, seq_len=32))
 
 
 def _logits(model, ids):
