@@ -303,7 +303,6 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
 
 
 @torch.no_grad()
-@torch.no_grad()
 def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
                   cuda_graph: bool = False) -> tuple[torch.Tensor, bool]:
     """Greedy decoding of `input_ids` [1, n]: the argmax at each step (as `speculative_greedy`,
