@@ -229,9 +229,12 @@ def test_fast_grid_path_takes_whole_word_grids():
 
 
 def _launch_shapes():
-    """(batch, launch shape): each a test of its own, so xdist spreads their compiles on a GPU.
-    The interpreter runs a loop's loads in order whatever STAGES says, so there a GEMV launch
-    that differs from an earlier one only in STAGES would repeat its test; it runs on a GPU."""
+    """(dtype, batch, launch shape): each a test of its own, so xdist spreads their compiles on
+    a GPU, where each runs in both activation dtypes (a compile of its own each). The
+    interpreter runs a loop's loads in order whatever STAGES says, so there a GEMV launch that
+    differs from an earlier one only in STAGES would repeat its test (it runs on a GPU); and as
+    a launch shape decides the blocks, masks and split-K alike in either dtype, there the
+    launches take the two dtypes in turn: every launch and both dtypes checked, in half the time."""
     from compressors.packed_int import GEMM_CONFIGS, GEMV_CONFIGS
 
     gemv, seen = [], set()
@@ -240,21 +243,24 @@ def _launch_shapes():
         if DEVICE.type == "cuda" or shape not in seen:
             gemv.append(config)
         seen.add(shape)
-    return [(1, config) for config in gemv] + [(5, config) for config in GEMM_CONFIGS]
+    launches = [(1, config) for config in gemv] + [(5, config) for config in GEMM_CONFIGS]
+    dtypes = [torch.float32, torch.float16]
+    return [(dtype, batch, config) for i, (batch, config) in enumerate(launches) for dtype in (dtypes if DEVICE.type == "cuda" else [dtypes[i % 2]])]
 
 
 def _launch_id(value):
     """A launch shape's test id, in words `pytest -k` can select: `-k "every_tuned and pipelined"`
     runs the GEMV launches that copy blocks ahead (benchmarks/gpu_check.sh)."""
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
     if not hasattr(value, "all_kwargs"):
         return None
     words = [f"{key}{setting}" for key, setting in value.kwargs.items()] + [f"num_warps{value.num_warps}", f"num_stages{value.num_stages}"]
     return "-".join(words + (["pipelined"] if value.kwargs.get("STAGES", 1) > 1 else []))
 
 
-@pytest.mark.parametrize("batch,config", _launch_shapes(), ids=_launch_id)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_every_tuned_launch_shape_matches_reference(batch, config, dtype):
+@pytest.mark.parametrize("dtype,batch,config", _launch_shapes(), ids=_launch_id)
+def test_every_tuned_launch_shape_matches_reference(dtype, batch, config):
     """On a GPU the autotuner may pick any launch shape, split-K ones (partial sums added
     atomically into a zeroed y) included; the interpreter runs only the first, so each is run
     here by hand, on K that leaves the last slice short and N off every block."""
