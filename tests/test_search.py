@@ -10,6 +10,8 @@ import yaml
 from compressors.search import SearchState, Unit, check_budget, evolve, genome_cost, greedy_genome, mutate, start_state, uniform_genome
 from conftest import leftovers, refuse_in_process, run_cli
 from pipelines.errors import LmpressError
+from pipelines.levels import LevelsConfig, level_database
+from pipelines.stages import DropLayersConfig, drop_layers
 
 
 def toy_units(count=12, seed=0):
@@ -126,10 +128,8 @@ def tiny_setup(tmp_path_factory, real_model_folder):
 
     root = tmp_path_factory.mktemp("search")
     model = save_tiny(root / "tiny", tiny_config("llama"), real_model_folder, root / "calib")
-    levels = root / "levels"
-    result = run_cli("levels", "--model", model, "--calibration", root / "calib", "--bits", "2,4,8", "--group-size", "32",
-                     "--sparse24", "true", "--sparsity", "0.3,0.6", "--drop", "true", "--out", levels)
-    assert result.returncode == 0, result.stderr
+    # set-up through the stage function, not a fresh CLI interpreter (the CLI runs `levels` in test_dvc)
+    levels = level_database(str(model), root / "calib", root / "levels", LevelsConfig(bits="2,4,8", group_size="32", sparse24=True, sparsity="0.3,0.6", drop=True))
     return model, root / "calib", levels
 
 
@@ -228,8 +228,6 @@ def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch)
 def test_levels_settings_that_do_not_apply_are_refused():
     """--act-order and --clip-search are GPTQ's: on by default for it, refused for RTN, which
     would silently ignore them."""
-    from pipelines.levels import LevelsConfig
-
     config = LevelsConfig(method="gptq")
     config.validate()
     assert config.act_order and config.clip_search
@@ -282,8 +280,7 @@ def test_joint_plan_with_dropped_blocks_assembles_through_the_stages(tmp_path, t
     assert levels_module.read_plan(units, plan, "model.layers")[:14] == genome[:7] + [len(units[7].levels) - 1] * 7
 
     shallow, quantized = tmp_path / "shallow", tmp_path / "quantized"
-    result = run_cli("drop-layers", "--model", model, "--layers", "1", "--out", shallow)
-    assert result.returncode == 0, result.stderr
+    drop_layers(str(model), None, shallow, DropLayersConfig(layers="1"))
     result = run_cli("quantize", "--model", shallow, "--calibration", calibration, "--method", "gptq", "--sequential", "false",
                      "--group-size", "32", "--overrides", plan / "plan.yaml", "--out", quantized)
     assert result.returncode == 0, result.stderr
