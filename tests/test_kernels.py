@@ -243,9 +243,11 @@ def _launch_shapes():
         if DEVICE.type == "cuda" or shape not in seen:
             gemv.append(config)
         seen.add(shape)
-    launches = [(1, config) for config in gemv] + [(5, config) for config in GEMM_CONFIGS]
-    dtypes = [torch.float32, torch.float16]
-    return [(dtype, batch, config) for i, (batch, config) in enumerate(launches) for dtype in (dtypes if DEVICE.type == "cuda" else [dtypes[i % 2]])]
+    cases, dtypes = [], [torch.float32, torch.float16]
+    for i, (batch, config) in enumerate([(1, config) for config in gemv] + [(5, config) for config in GEMM_CONFIGS]):
+        in_turn = dtypes if DEVICE.type == "cuda" else [dtypes[i % 2]]
+        cases += [(dtype, batch, config) for dtype in in_turn]
+    return cases
 
 
 def _launch_id(value):
