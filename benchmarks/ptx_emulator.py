@@ -30,6 +30,13 @@ import re
 import numpy as np
 
 _WIDTH = {"8": 8, "16": 16, "32": 32, "64": 64, "16x2": 32}
+# numpy types by byte count and by bit count, looked up once per instruction, not rebuilt (the
+# emulator runs about a million instructions a check: per-call overhead is most of its time)
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGNED_BITS = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
+_UNSIGNED_BITS = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+_FLOAT_BITS = {16: np.float16, 32: np.float32, 64: np.float64}
+_MASK = {width: np.uint64((1 << width) - 1) for width in (8, 16, 32, 64)}
 _SPECIAL = ("%tid.", "%ntid.", "%ctaid.", "%nctaid.", "%laneid", "%warpid")
 
 
@@ -41,19 +48,18 @@ def _pack(low: float, high: float) -> int:
 def _as(bits: np.ndarray, kind: str) -> np.ndarray:
     """A register's bit patterns read as PTX type `kind` (u32, s64, f16, f32, ...)."""
     width = _WIDTH[kind[1:]]
-    unsigned = (bits & np.uint64((1 << width) - 1)).astype({8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}[width])
+    unsigned = (bits & _MASK[width]).astype(_UNSIGNED_BITS[width])
     if kind[0] == "s":
-        return unsigned.view({8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}[width])
+        return unsigned.view(_SIGNED_BITS[width])
     if kind[0] == "f":
-        return unsigned.view({16: np.float16, 32: np.float32, 64: np.float64}[width])
+        return unsigned.view(_FLOAT_BITS[width])
     return unsigned
 
 
 def _bits(values: np.ndarray) -> np.ndarray:
     """Values of any numpy type as zero-extended bit patterns."""
     values = np.asarray(values)
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[values.dtype.itemsize]
-    return values.view(unsigned).astype(np.uint64) if values.dtype != np.bool_ else values.astype(np.uint64)
+    return values.view(_UNSIGNED[values.dtype.itemsize]).astype(np.uint64) if values.dtype != np.bool_ else values.astype(np.uint64)
 
 
 def _half2(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -147,6 +153,20 @@ def _fragments(lane: np.ndarray, elements: int) -> tuple[np.ndarray, ...]:
     return g + 8 * (a // 2 % 2), 2 * q + 8 * (a // 4) + a % 2, g + 8 * (i % 4 // 2), 8 * (i // 4) + 2 * q + i % 2
 
 
+_FLOAT_OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "fma": lambda a, b, c: a * b + c,
+              "max": np.maximum, "min": np.minimum, "neg": np.negative, "abs": np.abs}
+
+
+@functools.lru_cache(maxsize=None)
+def _immediate(token: str) -> int | None:
+    """An immediate operand's bit pattern (hex float, or integer), or None for anything else."""
+    if re.fullmatch(r"0[fF][0-9a-fA-F]{8}|0[dD][0-9a-fA-F]{16}", token):
+        return int(token[2:], 16)
+    if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)U?", token):
+        return int(token.rstrip("U"), 0) & (1 << 64) - 1
+    return None
+
+
 class Memory:
     """A memory space (global, or a block's shared): numpy arrays in one byte array at 256-byte aligned addresses."""
 
@@ -204,13 +224,12 @@ class Memory:
 
     def load(self, address: np.ndarray, width: int, vector: int) -> list[np.ndarray]:
         raw = self.bytes[self._index(address, width, vector)]
-        words = raw.reshape(len(address), vector, width).copy().view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
+        words = raw.reshape(len(address), vector, width).copy().view(_UNSIGNED[width])
         return [words[:, i, 0].astype(np.uint64) for i in range(vector)]
 
     def store(self, address: np.ndarray, values: list[np.ndarray], width: int) -> None:
         index = self._index(address, width, len(values))
-        dtype = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
-        self.bytes[index] = np.stack([v.astype(dtype) for v in values], axis=1).view(np.uint8).reshape(len(address), -1)
+        self.bytes[index] = np.stack([v.astype(_UNSIGNED[width]) for v in values], axis=1).view(np.uint8).reshape(len(address), -1)
 
 
 class Block:
@@ -220,6 +239,9 @@ class Block:
                  grid: tuple[int, ...] = (1,), shared_bytes: int = 0):
         self.threads, self.memory, self.params = threads, memory, params or {}
         self.regs: dict[str, np.ndarray] = {}
+        self.everyone = np.ones(threads, bool)  # an instruction's threads when it has no guard
+        self.everyone.flags.writeable = False
+        self.constants: dict[str, np.ndarray] = {}  # immediates, read-only, parsed once
         lanes = np.arange(threads, dtype=np.uint64)
         self.special = {"%tid.x": lanes, "%ntid.x": np.full(threads, threads, np.uint64), "%laneid": lanes % np.uint64(32), "%warpid": lanes // np.uint64(32)}
         for i, axis in enumerate("xyz"):
@@ -242,11 +264,13 @@ class Block:
             return self.special[token]
         if token == "global_smem":
             return np.zeros(self.threads, np.uint64)
-        if re.fullmatch(r"0[fF][0-9a-fA-F]{8}|0[dD][0-9a-fA-F]{16}", token):
-            return np.full(self.threads, int(token[2:], 16), np.uint64)
-        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)U?", token):
-            return np.full(self.threads, int(token.rstrip("U"), 0) & (1 << 64) - 1, np.uint64)
-        raise KeyError(f"the emulator has no value for {token!r} (a register read before it is written?)")
+        if token not in self.constants:
+            bits = _immediate(token)
+            if bits is None:
+                raise KeyError(f"the emulator has no value for {token!r} (a register read before it is written?)")
+            self.constants[token] = np.full(self.threads, bits, np.uint64)
+            self.constants[token].flags.writeable = False  # shared by every instruction that reads it
+        return self.constants[token]
 
     def typed(self, token: str, kind: str) -> np.ndarray:
         return _as(self.value(token), kind)
@@ -314,7 +338,7 @@ class Block:
                 for index, data in self.committed.pop(0):
                     self.shared.bytes[index] = data
             return
-        threads = np.ones(self.threads, bool) if active is None else active
+        threads = self.everyone if active is None else active
         if name == "prefetch" or opcode.startswith("cp.async.bulk.prefetch."):  # a cache hint: no value changes, but its bytes must be there
             address = self.address(ops[0])[threads]
             sizes = np.broadcast_to(self.value(ops[1]), (self.threads,))[threads] if name == "cp" else np.ones(len(address), np.uint64)
@@ -547,8 +571,7 @@ class Block:
         return values.astype(np.float64).reshape(rows, 16)
 
     def float_math(self, name: str, kind: str, ops: list[str]) -> np.ndarray:
-        combine = {"add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b, "fma": lambda a, b, c: a * b + c,
-                   "max": np.maximum, "min": np.minimum, "neg": np.negative, "abs": np.abs}[name]
+        combine = _FLOAT_OPS[name]
         if kind == "f16x2":
             halves = [_half2(self.value(t)) for t in ops[1:]]
             return _join_half2(combine(*(h[0] for h in halves)), combine(*(h[1] for h in halves)))
@@ -561,7 +584,7 @@ class Block:
             a = self.value(ops[1]).astype(bool)
             return ~a if name == "not" else {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}[name](a, self.value(ops[2]).astype(bool))
         width = _WIDTH[kind[1:]]
-        mask = np.uint64((1 << width) - 1) if width < 64 else np.uint64((1 << 64) - 1)
+        mask = _MASK[width]
         if name in ("mul", "mad") and parts[1] in ("wide", "hi"):  # the double-width product (32 x 32 -> 64 bits), or its high half
             wide = np.int64 if kind[0] == "s" else np.uint64
             product = self.typed(ops[1], kind).astype(wide) * self.typed(ops[2], kind).astype(wide)
