@@ -30,11 +30,10 @@ import re
 import numpy as np
 
 _WIDTH = {"8": 8, "16": 16, "32": 32, "64": 64, "16x2": 32}
-# numpy types by byte count and by bit count, looked up once per instruction, not rebuilt (the
+# numpy types by byte count (unsigned) and by bit count, built once, not per instruction (the
 # emulator runs about a million instructions a check: per-call overhead is most of its time)
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED_BITS = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
-_UNSIGNED_BITS = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
 _FLOAT_BITS = {16: np.float16, 32: np.float32, 64: np.float64}
 _MASK = {width: np.uint64((1 << width) - 1) for width in (8, 16, 32, 64)}
 _SPECIAL = ("%tid.", "%ntid.", "%ctaid.", "%nctaid.", "%laneid", "%warpid")
@@ -48,7 +47,7 @@ def _pack(low: float, high: float) -> int:
 def _as(bits: np.ndarray, kind: str) -> np.ndarray:
     """A register's bit patterns read as PTX type `kind` (u32, s64, f16, f32, ...)."""
     width = _WIDTH[kind[1:]]
-    unsigned = (bits & _MASK[width]).astype(_UNSIGNED_BITS[width])
+    unsigned = (bits & _MASK[width]).astype(_UNSIGNED[width // 8])
     if kind[0] == "s":
         return unsigned.view(_SIGNED_BITS[width])
     if kind[0] == "f":
@@ -157,7 +156,6 @@ _FLOAT_OPS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "fma": lamb
               "max": np.maximum, "min": np.minimum, "neg": np.negative, "abs": np.abs}
 
 
-@functools.lru_cache(maxsize=None)
 def _immediate(token: str) -> int | None:
     """An immediate operand's bit pattern (hex float, or integer), or None for anything else."""
     if re.fullmatch(r"0[fF][0-9a-fA-F]{8}|0[dD][0-9a-fA-F]{16}", token):
