@@ -3,7 +3,7 @@
     python benchmarks/gemv_gluon.py [--shapes 4096x4096,...] [--out DIR]   # on a CUDA GPU
     python benchmarks/gemv_gluon.py --sass                                 # here: sm_90 loop counts
     python benchmarks/gemv_gluon.py --emulate [--launches 0,5,...]         # here: each launch's sm_90 PTX run on the CPU
-    python benchmarks/gemv_gluon.py --traffic                              # here: what each batch-1 GEMV reads, counted in its PTX
+    python benchmarks/gemv_gluon.py --traffic [--launches 11,12,...]       # here: what each batch-1 GEMV reads, counted in its PTX
 
 The kernel is compressors/packed_int_gluon.py (int4 symmetric grids, fp16 x at batch 1), which
 serving times against the grid GEMV per layer shape and picks where it is faster. This script
@@ -85,10 +85,11 @@ def emulated(launches: list[Launch], rows: int = 32, columns: int = 4096) -> lis
     return results
 
 
-def traffic(rows: int = 64, columns: int = 4096) -> list[dict]:
+def traffic(launches: list[Launch] | None = None, rows: int = 64, columns: int = 4096) -> list[dict]:
     """What each batch-1 int4 GEMV reads, counted by running its sm_90 PTX (compiled as on
     4096-wide layers) on the CPU: the served Gluon launches and the grid GEMV at its GEMV_CONFIGS
-    (both interleaved, as CUDA serves), on `rows` x `columns` in groups of 128. Per array (the
+    (both interleaved, as CUDA serves), or only the Gluon `launches` given, on `rows` x `columns`
+    in groups of 128. Per array (the
     weight's words, its scales, x): bytes asked for and the 32-byte sectors the warps' accesses
     touch, per byte of the weight (words and scales: what must come from device memory), and
     the share of each sector's bytes used. Counted in PTX: ptxas may merge a thread's repeated
@@ -107,12 +108,12 @@ def traffic(rows: int = 64, columns: int = 4096) -> list[dict]:
     x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).half()
     needed = weight.packed.numel() * 4 + weight.scale.numel() * 2  # bytes the weight is: read once, at best
     kernels = []  # (name, ptx, grid, arguments); both kernels take x, then the words, then the scales
-    for launch in SERVED:
+    for launch in launches or SERVED:
         kernels.append((f"Gluon {launch}", compiled(launch, 1).asm["ptx"], (rows // launch.block_n,),
                         [x.numpy(), weight.packed.numpy(), weight.scale.numpy(), np.zeros(rows, np.float16), rows, columns,
                          weight.packed.stride(0), weight.scale.stride(0)]))
     _, tensors, strides, flags = weight._launch
-    for config in packed_int.GEMV_CONFIGS:
+    for config in [] if launches else packed_int.GEMV_CONFIGS:
         if config.kwargs["SPLIT_K"] > 1:
             continue  # split-K reads what its unsplit launch reads
         constexprs = {**GRID, **flags, **config.kwargs, "PTX": True}
@@ -135,7 +136,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096")
     parser.add_argument("--sass", action="store_true")
     parser.add_argument("--emulate", action="store_true", help="run each launch's sm_90 PTX on the CPU against the reference; exit 1 if one is off")
-    parser.add_argument("--launches", help="with --emulate: indices into LAUNCHES (default: all)")
+    parser.add_argument("--launches", help="with --emulate or --traffic: indices into LAUNCHES (default: all; --traffic: the served ones and the grid GEMV)")
     parser.add_argument("--traffic", action="store_true", help="count what each batch-1 GEMV reads, running its PTX on the CPU")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_gluon"))
     parser.add_argument("--compile-workers", type=int, default=0, help="compile the served GEMV's launch shapes first in this many processes")
@@ -144,13 +145,14 @@ def main() -> None:
     if args.sass:
         (args.out / "gemv_gluon_sass.json").write_text(json.dumps(sass_counts(), indent=1))
         return
+    chosen = [LAUNCHES[int(i)] for i in args.launches.split(",")] if args.launches else None
     if args.traffic:
-        (args.out / "gemv_traffic.json").write_text(json.dumps(traffic(), indent=1))
+        (args.out / "gemv_traffic.json").write_text(json.dumps(traffic(chosen), indent=1))
         return
     if args.emulate:
         from benchmarks.kernel_sass import EMULATED_TOLERANCE
 
-        chosen = [LAUNCHES[int(i)] for i in args.launches.split(",")] if args.launches else LAUNCHES
+        chosen = chosen or LAUNCHES
         results = emulated(chosen)
         (args.out / "gemv_gluon_emulated.json").write_text(json.dumps(results, indent=1))
         off = [r for r in results if not r["rel_error"] <= EMULATED_TOLERANCE["fp16"]]  # NaN is off too

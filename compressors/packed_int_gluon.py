@@ -6,8 +6,9 @@ Why Gluon: in plain Triton the compiler picks each tensor's layout, and a thread
 up with its words: the grid GEMV (`_grid_gemv_kernel`) moves x through shared memory every block
 (8 STSM, 8 LDS.128 and up to 16 barriers a loop, benchmarks/results/gemv_layouts_sass.md) at
 about 36 instructions a word. Here the layout is stated: a thread holds ROWS rows x VEC
-consecutive words (4: one 16-byte load a row; 8: two) and the 8 VEC x values those words cover
-(XVEC: 16-byte loads, from L1), so the loop touches no shared memory and has no barrier:
+words in runs of 4 consecutive words (one 16-byte load a row each; VEC 8: two runs, a warp's
+width of runs apart, so each warp load uses whole sectors) and the 8 VEC x values those words
+cover (XVEC: 16-byte loads, from L1), so the loop touches no shared memory and has no barrier:
 19-24 instructions a word in half2 on sm_90 (benchmarks/results/gemv_gluon_sass.md).
 
 The product, per word (HALF2=1): the 8 codes decode (lop3, the magic-number trick) straight to
@@ -73,11 +74,11 @@ def _await_inputs(packed_ptr, scale_ptr, block, stride_pn, stride_sn, ROWS: gl.c
                   VEC: gl.constexpr):
     """Launched as a programmatic dependent (`pdl_launch`), a program may start before the
     kernel ahead of it has finished: it prefetches into L2 its rows' first words (each thread
-    its own run) and scales, which serving never writes, then waits for that kernel before the
+    its own runs) and scales, which serving never writes, then waits for that kernel before the
     loop reads x, as packed_int's `_await_inputs` does."""
-    LF: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])  # a thread's rows, at its run's first word
+    LF: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])  # a thread's rows, at its runs' first words
     rows = block * (ROWS * WARPS_N) + gl.arange(0, ROWS * WARPS_N, layout=gl.SliceLayout(1, LF))
-    runs = gl.arange(0, 32 * (WARPS // WARPS_N), layout=gl.SliceLayout(0, LF)) * VEC
+    runs = gl.arange(0, 8 * VEC * (WARPS // WARPS_N), layout=gl.SliceLayout(0, LF)) * 4  # the block's VEC * 32 * warps-along-K words, by runs of 4
     gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [packed_ptr + gl.expand_dims(rows * stride_pn, 1) + gl.expand_dims(runs, 0)], dtype=gl.int32,
                               is_pure=False, pack=1)
     gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [scale_ptr + rows * stride_sn], dtype=gl.int32, is_pure=False, pack=1)
@@ -149,11 +150,14 @@ def _rows(column, like):
 def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
                GROUP: gl.constexpr, HALF2: gl.constexpr, ROWS: gl.constexpr, WARPS_N: gl.constexpr, PREFETCH: gl.constexpr,
                XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0, VEC: gl.constexpr = 4, PDL: gl.constexpr = False):
-    # a thread: ROWS rows x VEC consecutive words (4: one 16-byte load a row; 8: two); a warp: 32 threads
-    # along the words; warps over rows x words
-    LW: gl.constexpr = gl.BlockedLayout([ROWS, VEC], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
-    # x pairs [units, 4]: a thread's 4 units x 4 pairs, contiguous along the pairs (unit order) or along the units (interleaved)
-    LX: gl.constexpr = gl.BlockedLayout([VEC, 4], [32, 1], [WARPS // WARPS_N, WARPS_N], [0, 1] if INTERLEAVED else [1, 0])
+    # a thread: ROWS rows x runs of 4 consecutive words (a 16-byte load a row); a warp: 32 threads along
+    # the words; warps over rows x words. The block is VEC // 4 such tiles along the words, so with
+    # VEC 8 a thread's second run lies a tile's width (128 x warps along K words) after its first:
+    # each warp load then reads 512 contiguous bytes (8 consecutive words a thread would touch each
+    # sector in two loads, half of it each time)
+    LW: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
+    # x pairs [units, 4]: a run's 4 units x 4 pairs, contiguous along the pairs (unit order) or along the units (interleaved)
+    LX: gl.constexpr = gl.BlockedLayout([4, 4], [32, 1], [WARPS // WARPS_N, WARPS_N], [0, 1] if INTERLEAVED else [1, 0])
     LR: gl.constexpr = gl.SliceLayout(1, LW)
     LU: gl.constexpr = gl.SliceLayout(0, LW)
     BLOCK_N: gl.constexpr = ROWS * WARPS_N
@@ -169,7 +173,7 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
         _await_inputs(packed_ptr, scale_ptr, gl.program_id(0), stride_pn, stride_sn, ROWS, WARPS_N, WARPS, VEC)
     if PREFETCH:
         w = gl.load(w_rows + gl.expand_dims(ru, 0))
-        s = gl.load(s_rows + gl.expand_dims(ru * 8 // GROUP, 0))
+        s = gl.load(s_rows + gl.expand_dims(ru // (GROUP // 8), 0))
     for u0 in range(0, span, WORDS):
         units = u0 + ru
         if PREFETCH:  # this block's words came last iteration; the next block's load now (the last block re-reads itself)
@@ -177,10 +181,10 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
             s_now = s
             following = gl.expand_dims(gl.multiple_of(gl.minimum(u0 + WORDS, span - WORDS), WORDS) + ru, 0)
             w = gl.load(w_rows + following)
-            s = gl.load(s_rows + following * 8 // GROUP)
+            s = gl.load(s_rows + following // (GROUP // 8))
         else:
             w_now = gl.load(w_rows + gl.expand_dims(units, 0))
-            s_now = gl.load(s_rows + gl.expand_dims(units * 8 // GROUP, 0))
+            s_now = gl.load(s_rows + gl.expand_dims(units // (GROUP // 8), 0))
         a0, a1, a2, a3 = _x_pairs(xq_ptr, units, LU, LX, XVEC, INTERLEAVED)
         if HALF2:
             if INTERLEAVED:
@@ -218,7 +222,7 @@ class Launch(NamedTuple):
     prefetch: int
     xvec: int  # x in 16-byte loads (needs warps_n == warps: x's layout then matches the words')
     warps: int
-    vec: int = 4  # a thread's consecutive words
+    vec: int = 4  # a thread's words a row: runs of 4 consecutive words (8: two runs, a warp's runs apart)
 
     @property
     def block_n(self) -> int:

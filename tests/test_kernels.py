@@ -548,6 +548,28 @@ def test_gluon_gemv_computes_as_compiled_for_hopper(tmp_path):
     assert all(r["rel_error"] <= 2e-3 for r in rows), rows
 
 
+def test_gluon_gemv_reads_its_words_in_whole_sectors(tmp_path):
+    """Every launch serving may pick reads each of the weight's words once, and uses all of every
+    32-byte sector a warp's load of them touches (benchmarks/gemv_gluon.py --traffic, counting the
+    reads of its sm_90 PTX run on the CPU). Launches with 8 words a thread hold them as two runs of
+    4, a warp's width of runs apart: 8 consecutive words a thread would touch each sector twice,
+    using half of it each time (sector use 0.5)."""
+    import subprocess
+    import sys
+
+    from compressors.packed_int_gluon import LAUNCHES, SERVED
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemv_gluon.py")
+    chosen = ",".join(str(LAUNCHES.index(launch)) for launch in SERVED)
+    result = subprocess.run([sys.executable, script, "--traffic", "--launches", chosen, "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = json.loads((tmp_path / "gemv_traffic.json").read_text())
+    assert len(rows) == len(SERVED) and any("8 words" in row["kernel"] for row in rows)
+    for row in rows:
+        words = row["words"]
+        assert words["sector_use"] == 1.0 and words["requested_per_weight_byte"] == words["distinct_per_weight_byte"], row
+
+
 # each of 32 threads copies its 16 bytes of x into shared memory with cp.async, in two commit
 # groups (threads' first and second 8 bytes), waits (WAIT), and stores what it then reads to out
 _COPY_PTX = _warp_kernel("copy", """
