@@ -184,6 +184,7 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
             s = gl.load(s_rows + following // (GROUP // 8))
         else:
             w_now = gl.load(w_rows + gl.expand_dims(units, 0))
+            # a word's group as units // (GROUP // 8), not units * 8 // GROUP: ptxas then sees one scale a run and loads it once
             s_now = gl.load(s_rows + gl.expand_dims(units // (GROUP // 8), 0))
         a0, a1, a2, a3 = _x_pairs(xq_ptr, units, LU, LX, XVEC, INTERLEAVED)
         if HALF2:
