@@ -89,8 +89,7 @@ def traffic(launches: list[Launch] | None = None, rows: int = 64, columns: int =
     """What each batch-1 int4 GEMV reads, counted by running its sm_90 PTX (compiled as on
     4096-wide layers) on the CPU: the served Gluon launches and the grid GEMV at its GEMV_CONFIGS
     (both interleaved, as CUDA serves), or only the Gluon `launches` given, on `rows` x `columns`
-    in groups of 128. Per array (the
-    weight's words, its scales, x): bytes asked for and the 32-byte sectors the warps' accesses
+    in groups of 128. Per array (the weight's words, its scales, x): bytes asked for and the 32-byte sectors the warps' accesses
     touch, per byte of the weight (words and scales: what must come from device memory), and
     the share of each sector's bytes used. Counted in PTX: ptxas may merge a thread's repeated
     loads of one address (the Gluon kernel's scale, loaded per word in PTX, is one LDG.E.U16 a

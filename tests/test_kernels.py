@@ -525,6 +525,18 @@ def test_ptx_emulator_shuffles_from_the_lane_each_thread_names():
     np.testing.assert_array_equal(out, x[np.arange(32) * 5 % 32])
 
 
+def _gemv_gluon_rows(tmp_path, mode: str, launches: str, written: str) -> list[dict]:
+    """benchmarks/gemv_gluon.py MODE (--emulate or --traffic) on those LAUNCHES, in its own process
+    (it compiles for sm_90, which TRITON_INTERPRET=1 here would not): the rows it wrote."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemv_gluon.py")
+    result = subprocess.run([sys.executable, script, mode, "--launches", launches, "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return json.loads((tmp_path / written).read_text())
+
+
 def test_gluon_gemv_computes_as_compiled_for_hopper(tmp_path):
     """The Gluon GEMV (compressors/packed_int_gluon.py), which no interpreter runs, compiled for
     sm_90 and its PTX run on the CPU (benchmarks/gemv_gluon.py --emulate), in groups of 128 in both
@@ -532,17 +544,11 @@ def test_gluon_gemv_computes_as_compiled_for_hopper(tmp_path):
     arithmetic; 1, 2 and 4 rows and 4 or 8 words a thread; x by 4-byte loads with warps split
     along K, whose sum crosses warps in shared memory; prefetch), every launch serving may pick
     among them: y within fp16 rounding of the reference. (Without --launches it runs all 24.)"""
-    import subprocess
-    import sys
-
     from compressors.packed_int_gluon import LAUNCHES, SERVED
 
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemv_gluon.py")
     others = [LAUNCHES.index(launch) for launch in LAUNCHES if launch not in SERVED]
     chosen = ",".join(str(i) for i in [LAUNCHES.index(launch) for launch in SERVED] + [others[0], others[-1]] + [i for i in others if LAUNCHES[i].prefetch][:1])
-    result = subprocess.run([sys.executable, script, "--emulate", "--launches", chosen, "--out", str(tmp_path)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = json.loads((tmp_path / "gemv_gluon_emulated.json").read_text())
+    rows = _gemv_gluon_rows(tmp_path, "--emulate", chosen, "gemv_gluon_emulated.json")
     assert len(rows) == 3 * len(chosen.split(",")) and {(r["layout"], r["group"]) for r in rows} == {
         ("unit order", 128), ("interleaved", 128), ("interleaved", "per channel")}
     assert all(r["rel_error"] <= 2e-3 for r in rows), rows
@@ -554,16 +560,9 @@ def test_gluon_gemv_reads_its_words_in_whole_sectors(tmp_path):
     reads of its sm_90 PTX run on the CPU). Launches with 8 words a thread hold them as two runs of
     4, a warp's width of runs apart: 8 consecutive words a thread would touch each sector twice,
     using half of it each time (sector use 0.5)."""
-    import subprocess
-    import sys
-
     from compressors.packed_int_gluon import LAUNCHES, SERVED
 
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemv_gluon.py")
-    chosen = ",".join(str(LAUNCHES.index(launch)) for launch in SERVED)
-    result = subprocess.run([sys.executable, script, "--traffic", "--launches", chosen, "--out", str(tmp_path)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = json.loads((tmp_path / "gemv_traffic.json").read_text())
+    rows = _gemv_gluon_rows(tmp_path, "--traffic", ",".join(str(LAUNCHES.index(launch)) for launch in SERVED), "gemv_traffic.json")
     assert len(rows) == len(SERVED) and any("8 words" in row["kernel"] for row in rows)
     for row in rows:
         words = row["words"]
