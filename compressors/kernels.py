@@ -109,27 +109,49 @@ def self_check(kernel: Kernel, device: torch.device) -> bool:
     return _self_checked[key]
 
 
-def gpu_seconds(calls: list[Callable[[], object]], replays: int = 25) -> float:
-    """Median GPU seconds per call. The calls are captured in one CUDA graph and replayed, so
-    launch overhead is not counted (serving engines replay graphs too). Give one call per copy
-    of the weights, enough copies to overflow the L2 cache (`l2_overflowing_copies`), so the
-    weights come from device memory as they do when a model serves."""
-    for call in calls:  # compile and autotune outside the capture
-        call()
-    torch.cuda.synchronize()
+def capture_graph(call: Callable[[], object], warm_up: Callable[[], object] | None = None) -> torch.cuda.CUDAGraph:
+    """`call` captured in a CUDA graph, to replay with no Python or launch overhead. `warm_up`
+    (by default `call` itself) runs twice first, on a side stream as torch asks before a
+    capture: kernels compile, autotune and are picked there, since a capture can neither time
+    nor synchronize. A capture that fails raises torch's RuntimeError."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            (warm_up or call)()
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for call in calls:
-            call()
+        call()
+    return graph
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int, before: Callable[[], object] | None = None) -> float:
+    """Median GPU seconds of a replay of `graph`, timed by CUDA events; `before()` runs
+    untimed ahead of each."""
     times = []
     for _ in range(replays):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+        times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def gpu_seconds(calls: list[Callable[[], object]], replays: int = 25) -> float:
+    """Median GPU seconds per call. The calls are captured in one CUDA graph and replayed, so
+    launch overhead is not counted (serving engines replay graphs too). Give one call per copy
+    of the weights, enough copies to overflow the L2 cache (`l2_overflowing_copies`), so the
+    weights come from device memory as they do when a model serves."""
+    def every_call():
+        for call in calls:
+            call()
+
+    return replay_seconds(capture_graph(every_call), replays) / len(calls)
 
 
 def weight_seconds(run: Callable[[object], object], weight) -> float:

@@ -266,11 +266,12 @@ def latency(
     repeats: int = typer.Option(30, help="Timed calls per measurement (the median is kept)."),
     device: str = typer.Option("auto", help="auto (a CUDA GPU if there is one), cpu or cuda."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Time the architecture from the model folder's config.json alone, with random weights (speed does not depend on them): for a machine without the weights; the table is stamped with the database's base."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On a GPU, time each call as a CUDA graph's replay, as `lmpress generate` decodes; off: eager calls, as `generate --no-cuda-graphs`."),
 ):
     """Measure a decode step's parts on this device (each linear shape at each level, as lmpress serves it): the model `search --budget-latency` counts in."""
     from pipelines.latency import LatencyConfig, measure_latency
 
-    path = measure_latency(model, levels, out, LatencyConfig(batch=batch, context=context, repeats=repeats, device=device, random_weights=random_weights))
+    path = measure_latency(model, levels, out, LatencyConfig(batch=batch, context=context, repeats=repeats, device=device, random_weights=random_weights, cuda_graphs=cuda_graphs))
     table = json.loads(path.read_text())
     check = table["check"]
     out_console.print(

@@ -23,8 +23,11 @@ latency.json:
     paths                   {"<out>x<in>": {"<level>": serving path}}: a kernel, "dense", or
                             "PackedLinear's dense copy" (a packed level without a kernel here)
     check                   {"predicted_s", "measured_s", "blocks_kept", "level"}
-Times are medians of `repeats` timed calls after a warm-up, wall clock (on a GPU after a
-synchronize: eager serving, launch overhead included, as `lmpress generate` runs). Linears are
+Times are medians of `repeats` timed calls after a warm-up, each as `lmpress generate` runs it:
+on a GPU a CUDA graph's replay, timed by CUDA events (no Python, no launch overhead; with
+`cuda_graphs` off, eager calls, wall clock after a synchronize, as `generate --no-cuda-graphs`);
+on the CPU eager calls, wall clock. A decode step runs on transformers' StaticCache, as
+`generate` decodes: its attention spans the whole cache of `context` + 1 positions. Linears are
 timed round-robin over copies that overflow the device's last-level cache, so their weights
 come from memory as they do in a model.
 """
@@ -42,7 +45,7 @@ from torch import nn
 
 from compressors.search import Unit
 from pipelines.artifact import read_json, require_output_path, write_json
-from pipelines.errors import require
+from pipelines.errors import LmpressError, require
 
 LATENCY_FORMAT = "lmpress-latency"
 LATENCY_VERSION = 1
@@ -56,6 +59,7 @@ class LatencyConfig:
     repeats: int = 30  # timed calls per measurement (the median is kept)
     device: str = "auto"  # auto (cuda if there is one) | cpu | cuda
     random_weights: bool = False  # time the architecture from config.json alone (speed does not depend on values)
+    cuda_graphs: bool = True  # on a GPU, time CUDA graph replays (as `lmpress generate` decodes); off: eager calls
 
     def validate(self) -> None:
         from pipelines.stages import require_positive
@@ -67,12 +71,35 @@ class LatencyConfig:
     def torch_device(self) -> torch.device:
         return torch.device("cuda" if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()) else "cpu")
 
+    def graphed(self, device: torch.device) -> bool:
+        """Whether calls on `device` are timed as CUDA graph replays."""
+        return self.cuda_graphs and device.type == "cuda"
+
 
 # --------------------------------------------------------------------------- timing
 
 
-def median_seconds(call: Callable[[], object], device: torch.device, repeats: int, before: Callable[[], object] | None = None) -> float:
-    """Median wall seconds of `call()` after a warm-up; `before()` runs untimed ahead of each."""
+def median_seconds(call: Callable[[], object], device: torch.device, repeats: int, before: Callable[[], object] | None = None,
+                   graphed: bool = False) -> float:
+    """Median seconds of `call()` after a warm-up; `before()` runs untimed ahead of each. With
+    `graphed` (a GPU), of a replay of `call` captured as a CUDA graph; a capture that fails is a
+    clear error (eager timing is one flag away)."""
+    if graphed:
+        from compressors.kernels import capture_graph, replay_seconds
+
+        def warm_up():
+            if before is not None:
+                before()
+            call()
+
+        if before is not None:
+            before()
+        try:
+            graph = capture_graph(call, warm_up)
+        except RuntimeError as error:
+            message = f"CUDA graph capture failed ({str(error).splitlines()[0][:200]}); pass --no-cuda-graphs to time eager calls, as `generate` then decodes"
+            raise LmpressError(message) from None
+        return replay_seconds(graph, repeats, before)
     for _ in range(2):  # compile, autotune, fill caches and allocators
         if before is not None:
             before()
@@ -103,7 +130,7 @@ def _cache_bytes(device: torch.device) -> int:
     return max(sizes, default=32 << 20)
 
 
-def linear_seconds(make: Callable[[], nn.Module], x: torch.Tensor, nbytes: int, repeats: int) -> float:
+def linear_seconds(make: Callable[[], nn.Module], x: torch.Tensor, nbytes: int, repeats: int, graphed: bool = False) -> float:
     """Seconds of one call of the module `make()` builds, its weight read from memory: timed
     round-robin over enough copies to fill three times the last-level cache."""
     copies = [make() for _ in range(max(2, min(256, -(-3 * _cache_bytes(x.device) // max(nbytes, 1)))))]
@@ -112,32 +139,38 @@ def linear_seconds(make: Callable[[], nn.Module], x: torch.Tensor, nbytes: int, 
         for module in copies:
             module(x)
 
-    return median_seconds(call, x.device, repeats) / len(copies)
+    return median_seconds(call, x.device, repeats, graphed=graphed) / len(copies)
 
 
 @torch.no_grad()
 def decode_step_seconds(model: nn.Module, config: LatencyConfig, device: torch.device) -> float:
-    """One decode step at `batch` x 1 new token after `context` cached tokens, each from a
-    copy of the same prefilled cache made untimed before it (cropping back instead fails on
-    sliding-window layers, and on layers a pruned model never ran)."""
-    import copy
+    """One decode step at `batch` x 1 new token after `context` cached tokens, each timed from
+    the same state (`decode_step`)."""
+    prefill, step = decode_step(model, config, device)
+    return median_seconds(step, device, config.repeats, before=prefill, graphed=config.graphed(device))
 
-    from transformers import DynamicCache
+
+def decode_step(model: nn.Module, config: LatencyConfig, device: torch.device) -> tuple[Callable[[], object], Callable[[], torch.Tensor]]:
+    """(prefill, step): `prefill()` resets a StaticCache of `context` + 1 positions in place
+    and fills it with `context` tokens; `step()` decodes `batch` x 1 token after them (as
+    `generate` does) and returns its logits. Why a reset and a prefill before each step, not a
+    snapshot: a CUDA graph replays into the cache's own tensors, and a sliding-window layer also
+    keeps its length as a Python int that only a reset and a prefill set right."""
+    from transformers import StaticCache
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (config.batch, config.context + 1), generator=generator).to(device)
-    prefilled = DynamicCache(config=model.config)
-    model(input_ids=ids[:, : config.context], past_key_values=prefilled, use_cache=True)
+    cache = StaticCache(config=model.config, max_cache_len=config.context + 1)
     position = torch.full((config.batch, 1), config.context, device=device)
-    cache = [prefilled]
 
-    def fresh():
-        cache[0] = copy.deepcopy(prefilled)
+    def prefill():
+        cache.reset()
+        model(input_ids=ids[:, : config.context], past_key_values=cache, use_cache=True, logits_to_keep=1)
 
-    def step():
-        model(input_ids=ids[:, config.context :], past_key_values=cache[0], use_cache=True, position_ids=position)
+    def step() -> torch.Tensor:
+        return model(input_ids=ids[:, config.context :], past_key_values=cache, use_cache=True, position_ids=position, logits_to_keep=1).logits
 
-    return median_seconds(step, device, config.repeats, before=fresh)
+    return prefill, step
 
 
 # --------------------------------------------------------------------------- serving modules
@@ -191,7 +224,8 @@ def _linear_table(shapes: list[tuple[int, int]], levels: list[str], config: Late
         for level in ("dense", *levels):
             _, path, nbytes = serving_module(level, rows, columns, dtype, device)
             if path not in by_path:
-                by_path[path] = linear_seconds(lambda level=level: serving_module(level, rows, columns, dtype, device)[0], x, nbytes, config.repeats)
+                make = lambda level=level: serving_module(level, rows, columns, dtype, device)[0]  # noqa: E731
+                by_path[path] = linear_seconds(make, x, nbytes, config.repeats, config.graphed(device))
             times[key][level], paths[key][level] = by_path[path], path
     return times, paths
 

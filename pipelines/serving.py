@@ -322,6 +322,7 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, max_new_token
     steps run eagerly: the same tokens, slower."""
     from transformers import StaticCache
 
+    from compressors.kernels import capture_graph
     from compressors.speculative import stop_tokens, until_stop
     from pipelines.progress import stderr
 
@@ -346,7 +347,8 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, max_new_token
     step, graphed = decode_step(cache, token, position), False
     if cuda_graph and max_new_tokens > 1:
         try:
-            step, graphed = _captured(decode_step, new_cache, step, token, position), True
+            # the warm-up steps run on a throwaway cache, token and position: the real ones are untouched
+            step, graphed = capture_graph(step, warm_up=decode_step(new_cache(), token.clone(), position.clone())).replay, True
         except RuntimeError as error:  # e.g. an op that synchronizes; the steps are still right eagerly
             stderr.print(f"warning: CUDA graph capture failed ({str(error).splitlines()[0][:200]}); decoding eagerly", markup=False, highlight=False)
     new = [token.clone()]
@@ -354,22 +356,6 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, max_new_token
         step()
         new.append(token.clone())
     return until_stop(torch.cat([input_ids, *new], dim=1), prompt, stops, max_new_tokens), graphed
-
-
-def _captured(decode_step, new_cache, step, token: torch.Tensor, position: torch.Tensor):
-    """`step` as a CUDA graph's replay. Warm-up runs on a side stream (as torch asks before a
-    capture) on its own cache, token and position, so the real ones are untouched."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        warm = decode_step(new_cache(), token.clone(), position.clone())
-        for _ in range(2):
-            warm()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None = None, lookahead: int | None = None, allow_other_target: bool = False,

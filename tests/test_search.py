@@ -84,18 +84,26 @@ def test_latency_costs_need_not_fall_with_compression():
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "qwen3"])
 def test_decode_step_timing_runs_on_every_family(family):
     """The latency table times decode steps with sliding-window layers too, with all blocks or
-    none or every other one, and a context past the sliding window."""
+    none or every other one, and a context past the sliding window. Each timed step decodes
+    what a forward over the whole sequence predicts, again after each prefill (the state every
+    timed step, or CUDA graph replay, starts from)."""
+    import contextlib
+
     from conftest import tiny_model
-    from pipelines.latency import LatencyConfig, _blocks_kept, decode_step_seconds
+    from pipelines.latency import LatencyConfig, _blocks_kept, decode_step, decode_step_seconds
 
     model = tiny_model(family)
-    config = LatencyConfig(context=12, repeats=2)  # the sliding windows are 8
+    config = LatencyConfig(batch=2, context=12, repeats=2)  # the sliding windows are 8
+    cpu = torch.device("cpu")
+    ids = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))  # as decode_step draws them
     for kept in (None, [], [0, 2]):
-        if kept is None:
-            assert decode_step_seconds(model, config, torch.device("cpu")) > 0
-            continue
-        with _blocks_kept(model, kept):
-            assert decode_step_seconds(model, config, torch.device("cpu")) > 0
+        with _blocks_kept(model, kept) if kept is not None else contextlib.nullcontext(), torch.no_grad():
+            assert decode_step_seconds(model, config, cpu) > 0
+            expected = model(input_ids=ids).logits[:, -1:]
+            prefill, step = decode_step(model, config, cpu)
+            for _ in range(2):
+                prefill()
+                torch.testing.assert_close(step(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_evolution_beats_uniform_and_is_reproducible_and_resumable():
