@@ -56,7 +56,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
     # no autotuning (LMPRESS_AUTOTUNE=0): the tests run every launch shape by hand; compiling them
     # is the cost, so it is spread over the machine's cores
     LMPRESS_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" tests/test_kernels.py \
-        -k "${TESTS_K:-fused or dequantize or self_check or packed_linear or references or fast_grid or every_tuned or split_k or gluon_gemv_matches}" \
+        -k "${TESTS_K:-fused or dequantize or self_check or packed_linear or references or fast_grid or every_tuned or split_k or gluon_gemv_matches or cuda_graphs}" \
         >>"$LOG" 2>&1 || status=1
     grep -E "passed|failed" "$LOG" | tail -1
 fi

@@ -770,6 +770,36 @@ def test_gluon_gemv_matches_the_reference_and_serves_where_it_is_faster(monkeypa
         assert ((served.float() - reference).norm() / reference.norm()).item() <= 2e-3, packed_int_gluon.picked(x, weight.interleave())
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU (here: the same steps eagerly, test_search.py)")
+def test_decode_steps_with_packed_linears_replay_as_cuda_graphs():
+    """On a GPU, with every decoder linear packed: a decode step captured once (`capture_graph`,
+    as `lmpress latency` and `generate` capture it) and replayed after each prefill decodes what
+    the eager step does; generate's graphed greedy loop gives the eager loop's tokens; the
+    latency table's graphed step times."""
+    from compressors.kernels import capture_graph
+    from pipelines.latency import LatencyConfig, _linears_swapped, decode_step, decode_step_seconds, serving_module
+    from pipelines.serving import greedy_decode
+
+    model = tiny_model("llama").to(DEVICE, torch.float16)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in name}
+    packed_linears = {name: serving_module("bits4g32", m.out_features, m.in_features, torch.float16, DEVICE)[0] for name, m in linears.items()}
+    config = LatencyConfig(context=24, repeats=3, device="cuda")
+    with _linears_swapped(model, packed_linears), torch.no_grad():
+        prefill, step = decode_step(model, config, DEVICE)
+        prefill()
+        eager = step().clone()
+        out = {}
+        graph = capture_graph(lambda: out.update(logits=step()), warm_up=lambda: (prefill(), step()))
+        for _ in range(2):
+            prefill()
+            graph.replay()
+            torch.testing.assert_close(out["logits"], eager)
+        prompt = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        tokens, graphed = greedy_decode(model, prompt, 16, cuda_graph=True)
+        assert graphed and torch.equal(tokens, greedy_decode(model, prompt, 16)[0])
+        assert decode_step_seconds(model, config, DEVICE) > 0
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="builds its 32 inputs with Python, which only the interpreter runs")
 def test_3bit_decode_tile_lists_the_codes_in_order():
     """The GEMM's 3-bit PTX decode returns 32 tensors, c[j] holding code j of each unit (the
