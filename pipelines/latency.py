@@ -84,30 +84,26 @@ def median_seconds(call: Callable[[], object], device: torch.device, repeats: in
     """Median seconds of `call()` after a warm-up; `before()` runs untimed ahead of each. With
     `graphed` (a GPU), of a replay of `call` captured as a CUDA graph; a capture that fails is a
     clear error (eager timing is one flag away)."""
+    before = before or (lambda: None)
+
+    def prepared():
+        before()
+        call()
+
     if graphed:
         from compressors.kernels import capture_graph, replay_seconds
 
-        def warm_up():
-            if before is not None:
-                before()
-            call()
-
-        if before is not None:
-            before()
-        try:
-            graph = capture_graph(call, warm_up)
+        try:  # each warm-up ends with before(), so the capture records `call` from the state every replay starts from
+            graph = capture_graph(call, warm_up=lambda: (prepared(), before()))
         except RuntimeError as error:
             message = f"CUDA graph capture failed ({str(error).splitlines()[0][:200]}); pass --no-cuda-graphs to time eager calls, as `generate` then decodes"
             raise LmpressError(message) from None
         return replay_seconds(graph, repeats, before)
     for _ in range(2):  # compile, autotune, fill caches and allocators
-        if before is not None:
-            before()
-        call()
+        prepared()
     times = []
     for _ in range(repeats):
-        if before is not None:
-            before()
+        before()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()

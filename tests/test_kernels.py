@@ -789,7 +789,7 @@ def test_decode_steps_with_packed_linears_replay_as_cuda_graphs():
         prefill()
         eager = step().clone()
         out = {}
-        graph = capture_graph(lambda: out.update(logits=step()), warm_up=lambda: (prefill(), step()))
+        graph = capture_graph(lambda: out.update(logits=step()), warm_up=lambda: (prefill(), step(), prefill()))  # captured from a prefilled state
         for _ in range(2):
             prefill()
             graph.replay()

@@ -106,6 +106,37 @@ def test_decode_step_timing_runs_on_every_family(family):
                 torch.testing.assert_close(step(), expected, rtol=1e-4, atol=1e-4)
 
 
+def test_graphed_timing_captures_from_the_state_each_replay_starts_from(monkeypatch):
+    """On a GPU the latency table captures `call` once and replays it after each `before()`, so
+    the capture must record `call` from that state too (a sliding-window layer picks its code
+    path by a Python int that `call` advances). No GPU here: capture_graph and replay_seconds are
+    stood in for by ones that run the warm-ups as capture_graph does, note the state when they
+    capture, and replay after each before()."""
+    from compressors import kernels
+    from pipelines.latency import median_seconds
+
+    state, seen = {"steps": 0}, {}
+
+    def capture(call, warm_up=None):
+        for _ in range(2):
+            (warm_up or call)()
+        seen["at_capture"] = state["steps"]
+        return call
+
+    def replay(graph, replays, before=None):
+        for _ in range(replays):
+            before()
+            seen.setdefault("at_replay", set()).add(state["steps"])
+            graph()
+        return 1.0
+
+    monkeypatch.setattr(kernels, "capture_graph", capture)
+    monkeypatch.setattr(kernels, "replay_seconds", replay)
+    step, reset = lambda: state.update(steps=state["steps"] + 1), lambda: state.update(steps=0)
+    assert median_seconds(step, torch.device("cpu"), 3, before=reset, graphed=True) == 1.0
+    assert seen == {"at_capture": 0, "at_replay": {0}}
+
+
 def test_evolution_beats_uniform_and_is_reproducible_and_resumable():
     units = toy_units()
     sensitivity = [random.Random(i).random() ** 3 * 10 for i in range(len(units))]
