@@ -23,11 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from pipelines.artifact import read_json, read_lineage
-from pipelines.errors import LmpressError, require
+from pipelines.artifact import read_json, read_lineage, read_safetensors, require_keys
+from pipelines.errors import require
 from pipelines.models import head_dim_of
 
 CALIBRATION_FORMAT = "lmpress-calibration/1"
@@ -196,6 +195,10 @@ class LinearStatistics:
         return (self.second_moment.diagonal() - self.mean**2).clamp_min(0)
 
 
+RECALIBRATE = "re-run `lmpress calibrate`"
+MANIFEST_KEYS = ("seed", "seq_len", "corpus", "data_sha256", "sample_ids", "documents", "tokens", "groups")  # what readers use
+
+
 class CalibrationData:
     """Read side of the calibration artifact; loads one layer's statistics at a time."""
 
@@ -208,11 +211,12 @@ class CalibrationData:
             self.manifest.get("format") == CALIBRATION_FORMAT,
             f"{self.folder} is not an lmpress calibration artifact; run `lmpress calibrate`",
         )
+        require_keys(self.manifest, MANIFEST_KEYS, self.folder / "manifest.json", RECALIBRATE)
         self.lineage = read_lineage(self.folder)
 
     @property
     def input_ids(self) -> torch.Tensor:
-        return load_file(self.folder / "samples.safetensors")["input_ids"]
+        return read_safetensors(self.folder / "samples.safetensors", RECALIBRATE)["input_ids"]
 
     def spread_samples(self, count: int) -> torch.Tensor:
         """`count` windows evenly spaced over the stored ones (which are grouped by corpus part,
@@ -232,10 +236,7 @@ class CalibrationData:
 
     def layer(self, index: int) -> dict[str, LinearStatistics]:
         """linear path inside the layer -> its input statistics."""
-        try:
-            tensors = load_file(self.folder / "stats" / f"layer_{index:03d}.safetensors")
-        except FileNotFoundError as error:
-            raise LmpressError(f"{self.folder} has no statistics for layer {index}; re-run `lmpress calibrate`") from error
+        tensors = read_safetensors(self.folder / "stats" / f"layer_{index:03d}.safetensors", RECALIBRATE)
         tokens = self.manifest["tokens"]
         require(
             all(f"{group}.abs_mean" in tensors for group in self.manifest["groups"].values()),
@@ -250,11 +251,11 @@ class CalibrationData:
         """Per decoder layer, 1 - mean cos(input, output) over the calibration tokens."""
         values = []
         for file in sorted((self.folder / "stats").glob("layer_*.safetensors")):
-            tensors = load_file(file)
+            tensors = read_safetensors(file, RECALIBRATE)
             require(BLOCK_INFLUENCE in tensors, f"{self.folder} predates the block influence statistic; re-run `lmpress calibrate`")
             values.append(float(tensors[BLOCK_INFLUENCE]))
         return values
 
     def head_similarity(self, index: int) -> dict[str, torch.Tensor]:
-        tensors = load_file(self.folder / "stats" / f"layer_{index:03d}.safetensors")
+        tensors = read_safetensors(self.folder / "stats" / f"layer_{index:03d}.safetensors", RECALIBRATE)
         return {"k": tensors["kv.k_cosine"], "v": tensors["kv.v_cosine"]}

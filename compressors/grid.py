@@ -85,8 +85,11 @@ def grid_for_range(low: torch.Tensor, high: torch.Tensor, spec: GridSpec, clip: 
 
 
 def _fp16_scale(scale: torch.Tensor) -> torch.Tensor:
-    # an all-zero group still needs a finite, positive scale
-    return scale.clamp(min=1e-8).half().float().clamp(min=torch.finfo(torch.float16).tiny)
+    """The scale as stored (fp16). fp16's subnormals (down to 2^-24) serve groups of small
+    weights exactly; only a scale that rounds to 0 (an all-zero group) takes the smallest one,
+    as compressed-tensors does, so that it stays finite and positive."""
+    stored = scale.half().float()
+    return torch.where(stored > 0, stored, 2.0**-24)
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: GridSpec) -> torch.Tensor:

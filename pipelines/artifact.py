@@ -11,6 +11,7 @@ is left out of the manifest hash, which identifies the artifact's content and re
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ def write_json(path: Path, data) -> None:
     path = Path(path).expanduser()
     require_output_kind(path, directory=False)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    with _writing(path):
+    with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -51,7 +52,8 @@ def require_output_path(path: Path, directory: bool, inputs: tuple = ()) -> None
     """Fail before any work when `path` cannot become a stage's output (a directory, or a
     file): it lies in lmpress's model cache, writing it would replace one of the local
     `inputs` (a model folder or calibration artifact the run reads), a folder holding one or a
-    part of one, or `require_output_kind` refuses it."""
+    part of one, a report (a file) would land inside an artifact or model folder, or
+    `require_output_kind` refuses it."""
     path = Path(path).expanduser()
     target = path.resolve()
     from pipelines.models import model_cache
@@ -66,7 +68,19 @@ def require_output_path(path: Path, directory: bool, inputs: tuple = ()) -> None
             target != source and target not in source.parents and source not in target.parents,
             f"output path {path} would replace the input {given} or a part of it; write the result to another folder",
         )
+    if not directory:  # a report written into an artifact or model would replace one of its files (its metrics, lineage, manifest)
+        holder = artifact_holding(target)
+        require(holder is None, f"output path {path} lies inside {holder}, an artifact or model folder whose files it could replace; write the report outside it")
     require_output_kind(path, directory)
+
+
+def artifact_holding(path: Path) -> Path | None:
+    """The nearest folder above `path` that is an lmpress output (it holds lineage.json or
+    manifest.json) or a model (config.json beside .safetensors weights), or None."""
+    for folder in Path(path).parents:
+        if any((folder / marker).is_file() for marker in OUTPUT_MARKERS) or ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))):
+            return folder
+    return None
 
 
 def require_output_kind(path: Path, directory: bool) -> None:
@@ -111,6 +125,26 @@ def read_json(path: Path, what: str) -> dict:
         raise LmpressError(f"{path} is not valid JSON ({error.msg}); {what}") from error
 
 
+def read_safetensors(path: Path, what: str) -> dict:
+    """Every tensor of a safetensors file lmpress wrote; a missing, truncated or corrupt one is
+    a one-line error ending in `what` (how to make it again)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except FileNotFoundError as error:
+        raise LmpressError(f"{path} is missing; {what}") from error
+    except SafetensorError as error:
+        raise LmpressError(f"{path} is truncated or corrupt ({str(error).splitlines()[0][:120]}); {what}") from error
+
+
+def require_keys(data: dict, keys: tuple[str, ...], path: Path, what: str) -> None:
+    """A manifest holds every key its readers use, or a one-line error ending in `what`."""
+    missing = [key for key in keys if key not in data]
+    require(not missing, f"{path} lacks {', '.join(missing)}; {what}")
+
+
 # --------------------------------------------------------------------------- atomic writes
 
 
@@ -139,8 +173,19 @@ def _clean_leftovers(out: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
+def write_refusal(error: BaseException) -> str | None:
+    """Why the filesystem refused a write (a full disk, a quota, a read-only mount, a file-size
+    limit), when that is what `error` is, else None. safetensors' writer reports an OS error
+    only in its message."""
+    code = error.errno if isinstance(error, OSError) else None
+    if type(error).__name__ == "SafetensorError":
+        found = re.search(r"os error (\d+)", str(error))
+        code = int(found[1]) if found else None
+    return os.strerror(code) if code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG) else None
+
+
 @contextmanager
-def _writing(out: Path) -> Iterator[None]:
+def writing(out: Path) -> Iterator[None]:
     """A filesystem refusal (no permission, read-only or full disk, a busy folder) while writing
     `out` becomes one line that says so, not a traceback."""
     try:
@@ -159,13 +204,13 @@ def atomic_directory(out: Path) -> Iterator[Path]:
     pid = os.getpid()
     tmp = out.parent / f".{out.name}.partial-{pid}"
     try:
-        with _writing(out):
+        with writing(out):
             out.parent.mkdir(parents=True, exist_ok=True)
             _clean_leftovers(out)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         yield tmp
-        with _writing(out):
+        with writing(out):
             _swap_in(tmp, out, out.parent / f".{out.name}.old-{pid}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -254,9 +299,10 @@ def read_lineage(folder: Path) -> dict | None:
         return None
     lineage = read_json(path, "re-run the stage that made this artifact")
     require(
-        isinstance(lineage, dict) and lineage.get("format") == LINEAGE_FORMAT
-        and isinstance(lineage.get("chain"), list) and bool(lineage["chain"]) and all(isinstance(record, dict) for record in lineage["chain"]),
-        f"{path} is not an lmpress lineage manifest (a format and a chain of stage records); re-run the stage that made this artifact",
+        isinstance(lineage, dict) and lineage.get("format") == LINEAGE_FORMAT and isinstance(lineage.get("hash"), str)
+        and isinstance(lineage.get("chain"), list) and bool(lineage["chain"])
+        and all(isinstance(record, dict) and isinstance(record.get("stage"), str) for record in lineage["chain"]),
+        f"{path} is not an lmpress lineage manifest (a format, a hash and a chain of stage records); re-run the stage that made this artifact",
     )
     return lineage
 

@@ -465,27 +465,34 @@ def generate(
 @app.command()
 def info(path: str = typer.Argument(..., help="An lmpress artifact (model or calibration) or any model spec.")):
     """Print an artifact's lineage chain and its metrics."""
-    from pipelines.artifact import read_lineage
+    from pipelines.artifact import read_json, read_lineage
+    from pipelines.errors import require
     from pipelines.models import resolve_model
 
     folder = resolve_model(path) if not Path(path, "manifest.json").is_file() else Path(path)
     lineage = read_lineage(folder)
     if lineage is None:
-        out_console.print(f"{folder}: a model without lmpress lineage (a base model)", markup=False, highlight=False)
+        manifest = read_json(folder / "manifest.json", "re-run the stage that made it") if (folder / "manifest.json").is_file() else None
+        kind = manifest.get("format") if isinstance(manifest, dict) else None
+        what = f"format {kind}, no lineage of its own" if isinstance(kind, str) else "a model without lmpress lineage (a base model)"
+        out_console.print(f"{folder}: {what}", markup=False, highlight=False)
         return
     out_console.print(f"lineage {lineage['hash'][:16]}  ({folder})", markup=False, highlight=False)
     table = Table("#", "stage", "settings", "wall s", "peak MB")
     for number, record in enumerate(lineage["chain"]):
         settings = record.get("params") or {k: record[k] for k in ("model", "weights_sha256") if k in record}
-        run = record.get("run", {})
+        run = record.get("run") if isinstance(record.get("run"), dict) else {}
+        peak = run.get("peak_rss_bytes")
         table.add_row(
             str(number), record["stage"], json.dumps(settings, sort_keys=True)[:100],
-            str(run.get("wall_time_s", "")), str(round(run["peak_rss_bytes"] / 2**20)) if "peak_rss_bytes" in run else "",
+            str(run.get("wall_time_s", "")), str(round(peak / 2**20)) if isinstance(peak, (int, float)) else "",
         )
     out_console.print(table)
     metrics_file = folder / "metrics.json"
     if metrics_file.is_file():
-        out_console.print(metrics_table(json.loads(metrics_file.read_text())))
+        metrics = read_json(metrics_file, "re-run the stage that made this artifact")
+        require(isinstance(metrics, dict), f"{metrics_file} is not a JSON object of metrics; re-run the stage that made this artifact")
+        out_console.print(metrics_table(metrics))
 
 
 def metrics_table(metrics: dict) -> Table:
@@ -527,6 +534,15 @@ def main() -> None:
         sys.exit(error.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         code = interrupted
+    except Exception as error:  # the disk refusing a write deep in a stage (a full disk mid-save) is no bug
+        from pipelines.artifact import write_refusal
+
+        reason = write_refusal(error)
+        if reason is None:
+            raise
+        where = f" ({error.filename})" if getattr(error, "filename", None) else ""
+        sys.stderr.write(f"error: the filesystem refused a write{where}: {reason}; free space or write elsewhere, then run the command again\n")
+        sys.exit(2)
     if code == interrupted:
         writes = sys.argv[1:2] != ["generate"]  # the one command that writes nothing
         sys.stderr.write("interrupted: no partial artifact was left; run the command again to restart\n" if writes else "interrupted\n")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from pipelines.errors import require
 from pipelines.models import architecture_of, decoder_layers, kv_cache_bytes_per_token, safetensors_layout
@@ -59,12 +59,14 @@ class LMHead:
         save_file(tensors, path, metadata={"softcap": str(self.softcap or "")})
 
     @classmethod
-    def load(cls, path: Path) -> "LMHead":
+    def load(cls, path: Path, what: str = "delete the reference folder so it is rebuilt") -> "LMHead":
         from safetensors import safe_open
 
+        from pipelines.artifact import read_safetensors
+
+        tensors = read_safetensors(path, what)  # first: a damaged file is a clear error, not safe_open's
         with safe_open(path, framework="pt") as handle:
             softcap = handle.metadata().get("softcap") or None
-        tensors = load_file(path)
         return cls(tensors["weight"], tensors.get("bias"), float(softcap) if softcap else None)
 
 

@@ -32,11 +32,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from compressors.search import STARTS, SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
 from compressors.structured import LayerSubset
-from pipelines.artifact import ResumeFolder, atomic_directory, file_sha256, inputs_key, read_json, write_json, write_lineage
+from pipelines.artifact import ResumeFolder, atomic_directory, file_sha256, inputs_key, read_json, read_safetensors, write_json, write_lineage
 from pipelines.errors import require
 from pipelines.evaluation import LMHead, score_windows
 from pipelines.latency import LatencyTable
@@ -232,7 +232,7 @@ class LevelDatabase:
         from compressors.packed_int import unpack_bitmask
 
         if level not in self._cache:
-            self._cache[level] = load_file(self.folder / f"{level}.safetensors")
+            self._cache[level] = read_safetensors(self.folder / f"{level}.safetensors", "rebuild it with `lmpress levels`")
         tensors = self._cache[level]
         columns = tensors[f"{name}.codes"].shape[1] if level.startswith("bits") else base.shape[1]
         keep = unpack_bitmask(tensors[f"{name}.keep"], columns) if f"{name}.keep" in tensors else None

@@ -294,13 +294,15 @@ def is_quantized(folder: Path) -> bool:
 
 def read_config(folder: Path):
     """The folder's transformers config, whatever its architecture."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs check their fields' types and values
     from transformers import AutoConfig
 
     config_json(folder)
     try:
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    except (ValueError, KeyError, TypeError, AttributeError, OSError, json.JSONDecodeError) as error:
-        raise LmpressError(f"{folder}/config.json cannot be read as a transformers config ({error})") from error
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, StrictDataclassError) as error:
+        reason = " ".join(str(error).split())[:300]
+        raise LmpressError(f"{folder}/config.json cannot be read as a transformers config ({reason}); restore the model's own config.json") from error
 
 
 def load_config(folder: Path):
@@ -381,6 +383,20 @@ def _say_once(logger: str, prefix: str) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def check_tokenizer_files(folder: Path) -> None:
+    """The folder has a tokenizer and its JSON files parse: a stage that loads the tokenizer only
+    at its end (to write it beside the output) must not fail there after all its work."""
+    from pipelines.artifact import read_json
+
+    require(
+        any((folder / name).is_file() for name in TOKENIZER_FILES),
+        f"{folder} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the base model's tokenizer files there",
+    )
+    for name in TOKENIZER_FILES:
+        if name.endswith(".json") and (folder / name).is_file():
+            read_json(folder / name, "copy the base model's tokenizer files there")
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Resolve, check and load a causal LM in eval mode, on the CPU (its tokenizer on first use)."""
     from transformers import AutoModelForCausalLM
@@ -389,10 +405,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     folder = resolve_model(spec)
     config = load_config(folder)
     check_weight_files(folder)
-    require(
-        any((folder / name).is_file() for name in TOKENIZER_FILES),
-        f"{folder} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the base model's tokenizer files there",
-    )
+    check_tokenizer_files(folder)
     hf_logging.disable_progress_bar()
     if (getattr(config, "quantization_config", None) or {}).get("quant_method") == "lmpress":
         from pipelines.serving import load_lmpress_packed

@@ -92,12 +92,15 @@ class ArtifactFacts:
 
 
 def read_facts(folder: Path, metrics: str = "") -> ArtifactFacts:
+    from pipelines.models import check_weight_files
+
     folder = Path(folder)
     require(folder.is_dir(), f"{folder} is not a folder; pass a model artifact such as artifacts/quantized")
     require(
         (folder / "config.json").is_file() and any(folder.glob("*.safetensors")),
         f"{folder} is not a model (no config.json and safetensors weights); publish a model artifact, not a calibration, levels or search folder",
     )
+    check_weight_files(folder)  # a truncated or damaged weights file is never published
     lineage = read_lineage(folder)
     optional = {name: read_json(folder / name, f"re-run the stage that made {folder}") if (folder / name).is_file() else None for name in (VALIDATION_REPORT, DRAFT_REPORT)}
     facts = ArtifactFacts(

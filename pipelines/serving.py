@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.artifact import file_sha256, require_output_path, write_json
+from pipelines.artifact import file_sha256, read_safetensors, require_output_path, write_json, writing
 from pipelines.errors import require
 from pipelines.models import LoadedModel, check_weight_files, config_json, load_model, weight_files
 
@@ -160,13 +160,14 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     from compressors.kernels import KERNELS, serving_layout, weight_seconds
 
     folder = Path(folder).expanduser()
+    if out is not None and Path(out).expanduser().resolve() == (folder / VALIDATION_FILE).resolve():
+        out = None  # the artifact's own report, as without --out
     if out is not None:
-        require_output_path(out, directory=False)
-        report = Path(out).expanduser().resolve()
         require(
-            report == (folder / VALIDATION_FILE).resolve() or folder.resolve() not in report.parents,
+            folder.resolve() not in Path(out).expanduser().resolve().parents,
             f"--out {out} would overwrite a file of the artifact; leave --out out (the report goes to {folder / VALIDATION_FILE}) or write it outside",
         )
+        require_output_path(out, directory=False)
     for ok, problem in ((folder.is_dir(), "is not a folder"), ((folder / "config.json").is_file(), "has no config.json, so holds no model")):
         require(ok, f"{folder} {problem}; pass a quantized or pruned artifact such as artifacts/quantized")
     check_weight_files(folder)
@@ -223,7 +224,8 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     }
     report["passed"] = not validation_failures(report)
     if out is None:  # the artifact's own report vouches for the kernel copies it carries
-        bundle_kernels(folder)
+        with writing(folder):
+            bundle_kernels(folder)
         out = folder / VALIDATION_FILE
     write_json(Path(out).expanduser(), report)
     return report
@@ -264,8 +266,6 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
     LM-head row; None: the full vocabulary). Checked to share the target's tokenizer and, when
     `lmpress draft` made it, to have been distilled against this very target (its lineage and
     weights): a mismatch is an error, or with `allow_other_target` a warning."""
-    from safetensors.torch import load_file
-
     from compressors.draft import trim_lm_head
     from pipelines.artifact import model_chain, model_identity, read_lineage
     from pipelines.errors import LmpressError
@@ -296,7 +296,7 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
             stderr.print(f"warning: {message}", markup=False, highlight=False)
     model = load_model(spec).model
     trim = folder / VOCAB_TRIM_FILE
-    token_ids = load_file(trim)["token_ids"] if trim.is_file() else None
+    token_ids = read_safetensors(trim, f"re-run `lmpress draft` for {spec}")["token_ids"] if trim.is_file() else None
     if token_ids is not None:
         trim_lm_head(model, token_ids)
     return model, token_ids
@@ -378,7 +378,7 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
     require(
         context is None or length + max_new_tokens <= context,
         f"the prompt's {length} tokens and --max-new-tokens {max_new_tokens} exceed the model's context of {context} tokens; "
-        f"pass --max-new-tokens {max(context - length, 0)} or less" + (" and a shorter prompt" if length >= context else ""),
+        f"pass --max-new-tokens {context - length} or less" if length < context else f"shorten the prompt below {context} tokens",
     )
     eos = loaded.model.generation_config.eos_token_id
     if draft is None:

@@ -26,6 +26,8 @@ from pipelines.artifact import (
     model_chain,
     read_json,
     read_lineage,
+    read_safetensors,
+    require_keys,
     require_output_path,
     write_json,
     write_lineage,
@@ -144,11 +146,13 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
     is_base = len(chain) == 1 and base in (None, model)
     if building:
         _build_reference(loaded if is_base else load_model(base or chain[0]["model"]), reference, windows, config)
-    manifest = read_json(reference / "manifest.json", f"delete {reference} so it is rebuilt")
+    rebuild = f"delete {reference} so it is rebuilt"
+    manifest = read_json(reference / "manifest.json", rebuild)
     require(
-        manifest.get("format") == REFERENCE_FORMAT,
+        isinstance(manifest, dict) and manifest.get("format") == REFERENCE_FORMAT,
         f"{reference} is not an lmpress reference cache ({REFERENCE_FORMAT}); pass a new --reference path, where one is built",
     )
+    require_keys(manifest, ("base", "windows", "seq_len", "corpora"), reference / "manifest.json", rebuild)
     require(
         manifest["base"]["weights_sha256"] == chain[0]["weights_sha256"],
         f"reference {reference} was built from another base model than {model}'s; pass another --reference path",
@@ -161,7 +165,7 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
     )
 
     metrics = {"model": model, "lineage_hash": chain_hash(chain), **size_metrics(loaded.model, loaded.folder)}
-    head = LMHead.load(reference / "lm_head.safetensors")
+    head = LMHead.load(reference / "lm_head.safetensors", rebuild)
     for corpus, (tokens, _) in windows.items():
         require(corpus in manifest["corpora"], f"reference {reference} has no '{corpus}'; pass another --reference path")
         entry = manifest["corpora"][corpus]
@@ -179,7 +183,7 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
 def reference_metrics(model, reference: Path, corpus: str, head: LMHead, batch_size: int, tokens: torch.Tensor | None = None, on_batch=None) -> dict:
     """Perplexity, KL to the base and top-1 agreement of `model` on a reference's cached
     windows of `corpus` (checked to be `tokens` when given)."""
-    cached = load_file(Path(reference) / f"{corpus}.safetensors")
+    cached = read_safetensors(Path(reference) / f"{corpus}.safetensors", f"delete {reference} so it is rebuilt")
     require(
         tokens is None or bool(torch.equal(cached["input_ids"], tokens)),
         f"reference {reference} holds other '{corpus}' tokens; the tokenizers differ",
@@ -494,25 +498,35 @@ def planned_linears(model, skip: str, overrides: dict, default):
     """(full name, module, setting) for every decoder linear not matched by a `skip` regex
     (comma-separated, searched); the setting is the first override whose regex matches the
     whole name, else `default`. A skip or override regex that matches no linear at all (a
-    typo, a plan made for another model) is an error once the walk is done, not a silent no-op."""
+    typo, a plan made for another model), or an override whose every match an earlier one takes
+    (so it never applies), is an error once the walk is done, not a silent no-op."""
     skips = [compiled_regex(pattern.strip(), "--skip") for pattern in skip.split(",") if pattern.strip()]
     regexes = [(compiled_regex(str(regex), "override"), value) for regex, value in overrides.items()]
     prefix = architecture_of(model.config).layers
-    unmatched = {regex.pattern for regex, _ in regexes}
+    matched, applied = set(), set()
     for index, layer in enumerate(decoder_layers(model)):
         for local, module in layer_linears(model, layer).items():
             name = f"{prefix}.{index}.{local}"
-            unmatched -= {regex.pattern for regex, _ in regexes if regex.fullmatch(name)}
+            matches = [(regex.pattern, value) for regex, value in regexes if regex.fullmatch(name)]
+            matched.update(pattern for pattern, _ in matches)
+            applied.update(pattern for pattern, _ in matches[:1])
             if not any(pattern.search(name) for pattern in skips):
-                yield name, module, next((value for regex, value in regexes if regex.fullmatch(name)), default)
+                yield name, module, matches[0][1] if matches else default
     example = f"names look like {prefix}.0.mlp.down_proj"
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]  # lm_head too: never compressed, skipping it is no mistake
     unskipped = {pattern.pattern for pattern in skips if not any(pattern.search(name) for name in linears)}
     require(not unskipped, f"--skip '{min(unskipped, default='')}' matches no linear of this model ({example}); fix the regex")
+    unmatched = [regex.pattern for regex, _ in regexes if regex.pattern not in matched]
     require(
         not unmatched,
         f"override '{min(unmatched, default='')}' matches no linear of this model ({example} and must match whole); "
         "fix the regex, or use a plan made for this model",
+    )
+    shadowed = [regex.pattern for regex, _ in regexes if regex.pattern not in applied]
+    require(
+        not shadowed,
+        f"override '{next(iter(shadowed), '')}' never applies: an earlier override matches every linear it does (the first match wins); "
+        "move it above the broader one or narrow that one",
     )
 
 

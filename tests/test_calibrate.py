@@ -97,7 +97,10 @@ def test_calibration_data_derives_norms_and_variance(tmp_path):
     save_file(tensors, tmp_path / "stats" / "layer_000.safetensors")
     import json
 
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": "lmpress-calibration/1", "groups": group, "tokens": tokens}))
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format": "lmpress-calibration/1", "groups": group, "tokens": tokens,
+        "seed": 0, "seq_len": 16, "corpus": "test", "data_sha256": "", "sample_ids": [], "documents": [],
+    }))
     stats = CalibrationData(tmp_path).layer(0)
     x = []
     hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, o: x.append(a[0].reshape(-1, 96)))

@@ -222,9 +222,86 @@ def test_damaged_model_files_are_one_line_and_reports_never_overwrite_them(tmp_p
     assert_user_error(refuse_in_process("validate", model, "--out", tmp_path / "v.json"), "config.json is not a JSON object")
     weights.unlink()
     weights.write_bytes(b"keep")
-    assert_user_error(refuse_in_process("validate", model, "--out", weights), "is a file that is not a JSON report")
-    assert_user_error(refuse_in_process("validate", model, "--out", model / "lineage.json"), "would overwrite a file of the artifact")
-    assert weights.read_bytes() == b"keep" and not (model / "lineage.json").exists()
+    other = tmp_path / "notes.txt"
+    other.write_bytes(b"keep")
+    assert_user_error(refuse_in_process("validate", model, "--out", other), "is a file that is not a JSON report")
+    for inside in (weights, model / "lineage.json"):
+        assert_user_error(refuse_in_process("validate", model, "--out", inside), "would overwrite a file of the artifact")
+    assert weights.read_bytes() == b"keep" and other.read_bytes() == b"keep" and not (model / "lineage.json").exists()
+
+
+def test_reports_never_land_in_an_artifact_and_damaged_inputs_are_one_line(tmp_path, real_model_folder):
+    """A report path (evaluate / latency --out, publish --receipt) inside an artifact would
+    replace one of its files: refused before any work. Damaged calibration statistics, a
+    tokenizer file that does not parse, a config.json with a wrong value, an override that an
+    earlier one shadows, truncated weights handed to publish and a damaged metrics.json are
+    each one line naming the fix, and leave what they read as it was."""
+    import shutil
+
+    from conftest import save_tiny, tiny_config
+
+    tiny = save_tiny(tmp_path / "tiny", tiny_config("llama"), real_model_folder, calibration=tmp_path / "cal")
+    quantized = tmp_path / "q"
+    assert refuse_in_process("quantize", "--model", tiny, "--method", "rtn", "--group-size", "32", "--out", quantized).returncode == 0
+    before = {file: file.read_bytes() for file in (quantized / "config.json", quantized / "lineage.json", tmp_path / "cal" / "manifest.json")}
+    for command in (
+        ["evaluate", quantized, "--reference", tmp_path / "ref", "--out", quantized / "config.json"],
+        ["latency", "--model", tiny, "--levels", tmp_path / "cal", "--out", tmp_path / "cal" / "manifest.json"],
+        ["publish", quantized, "--repo-id", "me/tiny", "--dry-run", "--force", "--out", tmp_path / "pub", "--receipt", quantized / "lineage.json"],
+    ):
+        assert_user_error(refuse_in_process(*command), "an artifact or model folder whose files it could replace")
+    assert {file: file.read_bytes() for file in before} == before and not (tmp_path / "ref").exists() and not (tmp_path / "pub").exists()
+
+    out = tmp_path / "q2"
+    damaged = tmp_path / "cal2"
+    shutil.copytree(tmp_path / "cal", damaged)
+    stats = damaged / "stats" / "layer_001.safetensors"
+    os.truncate(stats, stats.stat().st_size // 2)
+    gptq = ["quantize", "--model", tiny, "--method", "gptq", "--group-size", "32", "--calibration", damaged, "--out", out]
+    assert_user_error(refuse_in_process(*gptq, "--sequential", "false"), "layer_001.safetensors is truncated or corrupt", out)
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    del manifest["tokens"]
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    assert_user_error(refuse_in_process(*gptq), "manifest.json lacks tokens; re-run `lmpress calibrate`", out)
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(".*:\n  bits: 3\n.*down_proj:\n  bits: 8\n")
+    rtn = ["quantize", "--model", tiny, "--method", "rtn", "--group-size", "32", "--out", out]
+    assert_user_error(refuse_in_process(*rtn, "--overrides", plan), "override '.*down_proj' never applies")
+    (tiny / "tokenizer.json").write_text((tiny / "tokenizer.json").read_text()[:1000])
+    assert_user_error(refuse_in_process(*rtn), "tokenizer.json is not valid JSON", out)
+    config = json.loads((tiny / "config.json").read_text())
+    (tiny / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "thirty"}))
+    assert_user_error(refuse_in_process(*rtn), "config.json cannot be read as a transformers config", out)
+
+    weights = quantized / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    assert_user_error(refuse_in_process("publish", quantized, "--repo-id", "me/tiny", "--dry-run", "--force", "--out", tmp_path / "pub"), "is truncated")
+    assert not (tmp_path / "pub").exists()
+    (quantized / "metrics.json").write_text("{")
+    assert_user_error(refuse_in_process("info", quantized), "metrics.json is not valid JSON")
+
+
+def test_a_write_the_filesystem_refuses_mid_stage_is_one_line_and_leaves_nothing(tmp_path, tiny_folder):
+    """A file-size limit (RLIMIT_FSIZE, as a full disk: the OS refuses the write) hit while
+    safetensors saves the weights, which reports the OS error only in its message: one line,
+    exit 2, no partial output."""
+    import resource
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    out = tmp_path / "q"
+    result = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "quantize", "--model", tiny_folder, "--method", "rtn", "--group-size", "32", "--out", out],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "LMPRESS_QUIET": "1"}, preexec_fn=limit_file_size,
+    )
+    assert (tiny_folder / "model.safetensors").stat().st_size > 1 << 20  # the save is what hits the limit
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    # the stage's own progress lines come first: the error is the one line after them
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: the filesystem refused a write: {os.strerror(27)}; free space")
+    assert not out.exists() and leftovers(out) == []
 
 
 def test_evaluate_base_then_rescore_against_the_cached_reference(tmp_path):

@@ -29,6 +29,21 @@ def test_codes_scales_and_dequantization(spec):
     assert error <= q.scale.max() * (1 if spec.symmetric else 0.51)  # within a step of the grid
 
 
+@pytest.mark.parametrize("spec", [GridSpec(8, 64), GridSpec(4, 64), GridSpec(4, 64, False)])
+def test_groups_of_small_weights_keep_their_grid_and_zero_groups_a_positive_scale(spec):
+    """A group whose scale lies below fp16's smallest normal (6.1e-5) is stored as a subnormal,
+    not raised to it (which at 8 bits and max |w| = 3e-3 used 44 of the 256 codes); an all-zero
+    group gets a finite positive scale and codes of zero."""
+    w = torch.randn(4, 128, generator=torch.Generator().manual_seed(0)) * 1e-4
+    w[3] = 0.0
+    q = round_to_nearest(w, spec)
+    assert torch.equal(q.scale, q.scale.half().float()) and bool((q.scale > 0).all())
+    assert float(q.scale[:3].max()) < torch.finfo(torch.float16).tiny
+    step = (w[:3].abs().amax() / ((spec.qmax - spec.qmin) / 2)).item()
+    assert (q.dequantized()[:3] - w[:3]).abs().max() <= step * (1 if spec.symmetric else 2)  # the old floor: up to 10x step at 8 bits
+    assert torch.equal(q.dequantized()[3], w[3])
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("spec", [GridSpec(3, 32), GridSpec(4, 64), GridSpec(4, -1), GridSpec(3, 64, False)])
 def test_gptq_halves_the_hessian_weighted_error_of_rtn(spec, act_order):
