@@ -26,15 +26,16 @@ def output_error(delta: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     return ((delta @ sigma) * delta).sum(dim=1)
 
 
-def search_scales(weights: list[torch.Tensor], sigma: torch.Tensor, abs_mean: torch.Tensor, spec: GridSpec) -> torch.Tensor:
-    """Input-channel scales s [in] for linears that share one input: the alpha in [0, 1) whose
-    scales minimize the summed output error of RTN on W * s (alpha 0 is plain RTN)."""
+def search_scales(weights: list[tuple[torch.Tensor, GridSpec]], sigma: torch.Tensor, abs_mean: torch.Tensor) -> torch.Tensor:
+    """Input-channel scales s [in] for linears that share one input, each with its own grid (a
+    plan may give q and k/v different ones): the alpha in [0, 1) whose scales minimize the
+    summed output error of RTN on W * s (alpha 0 is plain RTN)."""
     magnitude = abs_mean.float().clamp(min=1e-4)
     best_loss, best_scales = None, torch.ones_like(magnitude)
     for alpha in ALPHAS:
         scales = magnitude**alpha
         scales = scales / (scales.max() * scales.min()).sqrt()  # keep the scales centred on 1
-        loss = sum(output_error(w - round_to_nearest(w * scales, spec).dequantized() / scales, sigma).sum() for w in weights)
+        loss = sum(output_error(w - round_to_nearest(w * scales, spec).dequantized() / scales, sigma).sum() for w, spec in weights)
         if best_loss is None or loss < best_loss:
             best_loss, best_scales = loss, scales
     return best_scales
@@ -93,7 +94,7 @@ def awq_layer(layer, arch, config, stats: dict, plan: dict[str, GridSpec]) -> di
         planned = [m for m in members if m in plan]
         if not planned:
             continue
-        s = search_scales([layer.get_submodule(m).weight.data.float() for m in planned], sigma[members[0]], stats[members[0]].abs_mean, plan[planned[0]])
+        s = search_scales([(layer.get_submodule(m).weight.data.float(), plan[m]) for m in planned], sigma[members[0]], stats[members[0]].abs_mean)
         for member in members:
             layer.get_submodule(member).weight.data *= s.to(layer.get_submodule(member).weight.dtype)
             sigma[member] = sigma[member] / s[:, None] / s[None, :]  # the input is now x / s

@@ -3,7 +3,7 @@ import torch
 
 from calibrate.runner import LayerRunner
 from calibrate.stats import LayerStatisticsCollector
-from compressors.awq import awq_layer
+from compressors.awq import awq_layer, search_scales
 from compressors.grid import GridSpec, round_to_nearest
 from conftest import tiny_config
 from pipelines.models import architecture_of, layer_linears
@@ -67,3 +67,16 @@ def test_awq_beats_rtn_on_the_layer_output_at_3_bits():
             rtn_error = (rtn(inputs, *args, **kwargs) - exact).pow(2).mean()
             awq_error = (layer(inputs, *args, **kwargs) - exact).pow(2).mean()
         assert awq_error < 0.8 * rtn_error, (index, awq_error, rtn_error)
+
+
+def test_scale_search_scores_each_linear_on_its_own_grid():
+    """A plan may give linears that share an input different grids (q at 8 bits, k/v at 2): each
+    is scored on its own. An 8-bit member adds almost nothing, so the pair's scales are the
+    2-bit member's alone; scoring both on the first member's grid (as before) gives others."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 64, generator=g) * (torch.rand(64, generator=g) * 4 + 0.1)
+    sigma, abs_mean = x.T @ x / 512, x.abs().mean(dim=0)
+    fine, coarse = (torch.randn(32, 64, generator=g), GridSpec(8, 32)), (torch.randn(32, 64, generator=g), GridSpec(2, 32))
+    alone = search_scales([coarse], sigma, abs_mean)
+    assert torch.equal(search_scales([fine, coarse], sigma, abs_mean), alone)
+    assert not torch.equal(search_scales([fine, (coarse[0], fine[1])], sigma, abs_mean), alone)
