@@ -50,7 +50,7 @@ from pipelines.evaluation import LMHead  # noqa: E402
 from pipelines.latency import LatencyTable  # noqa: E402
 from pipelines.levels import Candidates, KLFitness, LevelDatabase, read_plan  # noqa: E402
 from pipelines.models import load_model  # noqa: E402
-from pipelines.stages import reference_metrics  # noqa: E402
+from pipelines.stages import rebuild_reference, reference_metrics  # noqa: E402
 
 
 METRICS = {"kl": "kl_to_base", "perplexity": "perplexity", "top1": "top1_agreement"}  # column -> reference_metrics key
@@ -58,7 +58,7 @@ METRICS = {"kl": "kl_to_base", "perplexity": "perplexity", "top1": "top1_agreeme
 
 def held_out(candidates: Candidates, genome: list[int], reference: Path, batch_size: int = 4) -> dict:
     candidates.apply(genome)
-    head = LMHead.load(reference / "lm_head.safetensors")
+    head = LMHead.load(reference / "lm_head.safetensors", rebuild_reference(reference))
     return {corpus: reference_metrics(candidates.model, reference, corpus, head, batch_size) for corpus in CORPORA}
 
 

@@ -177,8 +177,10 @@ def write_refusal(error: BaseException) -> str | None:
     """Why the filesystem refused a write (a full disk, a quota, a read-only mount, a file-size
     limit), when that is what `error` is, else None. safetensors' writer reports an OS error
     only in its message."""
+    from safetensors import SafetensorError
+
     code = error.errno if isinstance(error, OSError) else None
-    if type(error).__name__ == "SafetensorError":
+    if isinstance(error, SafetensorError):
         found = re.search(r"os error (\d+)", str(error))
         code = int(found[1]) if found else None
     return os.strerror(code) if code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG) else None

@@ -59,7 +59,8 @@ class LMHead:
         save_file(tensors, path, metadata={"softcap": str(self.softcap or "")})
 
     @classmethod
-    def load(cls, path: Path, what: str = "delete the reference folder so it is rebuilt") -> "LMHead":
+    def load(cls, path: Path, what: str) -> "LMHead":
+        """The head saved at `path`; `what` ends the error for a damaged file (how to make it again)."""
         from safetensors import safe_open
 
         from pipelines.artifact import read_safetensors

@@ -163,10 +163,6 @@ def validate(folder: Path, out: Path | None = None) -> dict:
     if out is not None and Path(out).expanduser().resolve() == (folder / VALIDATION_FILE).resolve():
         out = None  # the artifact's own report, as without --out
     if out is not None:
-        require(
-            folder.resolve() not in Path(out).expanduser().resolve().parents,
-            f"--out {out} would overwrite a file of the artifact; leave --out out (the report goes to {folder / VALIDATION_FILE}) or write it outside",
-        )
         require_output_path(out, directory=False)
     for ok, problem in ((folder.is_dir(), "is not a folder"), ((folder / "config.json").is_file(), "has no config.json, so holds no model")):
         require(ok, f"{folder} {problem}; pass a quantized or pruned artifact such as artifacts/quantized")

@@ -146,7 +146,7 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
     is_base = len(chain) == 1 and base in (None, model)
     if building:
         _build_reference(loaded if is_base else load_model(base or chain[0]["model"]), reference, windows, config)
-    rebuild = f"delete {reference} so it is rebuilt"
+    rebuild = rebuild_reference(reference)
     manifest = read_json(reference / "manifest.json", rebuild)
     require(
         isinstance(manifest, dict) and manifest.get("format") == REFERENCE_FORMAT,
@@ -180,10 +180,15 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
     return metrics
 
 
+def rebuild_reference(reference: Path) -> str:
+    """How to mend a damaged reference cache (the end of its errors)."""
+    return f"delete {reference} so it is rebuilt"
+
+
 def reference_metrics(model, reference: Path, corpus: str, head: LMHead, batch_size: int, tokens: torch.Tensor | None = None, on_batch=None) -> dict:
     """Perplexity, KL to the base and top-1 agreement of `model` on a reference's cached
     windows of `corpus` (checked to be `tokens` when given)."""
-    cached = read_safetensors(Path(reference) / f"{corpus}.safetensors", f"delete {reference} so it is rebuilt")
+    cached = read_safetensors(Path(reference) / f"{corpus}.safetensors", rebuild_reference(reference))
     require(
         tokens is None or bool(torch.equal(cached["input_ids"], tokens)),
         f"reference {reference} holds other '{corpus}' tokens; the tokenizers differ",

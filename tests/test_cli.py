@@ -226,7 +226,7 @@ def test_damaged_model_files_are_one_line_and_reports_never_overwrite_them(tmp_p
     other.write_bytes(b"keep")
     assert_user_error(refuse_in_process("validate", model, "--out", other), "is a file that is not a JSON report")
     for inside in (weights, model / "lineage.json"):
-        assert_user_error(refuse_in_process("validate", model, "--out", inside), "would overwrite a file of the artifact")
+        assert_user_error(refuse_in_process("validate", model, "--out", inside), "an artifact or model folder whose files it could replace")
     assert weights.read_bytes() == b"keep" and other.read_bytes() == b"keep" and not (model / "lineage.json").exists()
 
 

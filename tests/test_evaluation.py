@@ -55,7 +55,7 @@ def test_scores_are_the_same_with_the_lm_head_run_in_chunks_of_tokens(monkeypatc
 def test_lm_head_round_trips_through_safetensors(tmp_path):
     head = LMHead.of(tiny_model("gemma2"))
     head.save(tmp_path / "head.safetensors")
-    loaded = LMHead.load(tmp_path / "head.safetensors")
+    loaded = LMHead.load(tmp_path / "head.safetensors", "save it again")
     assert loaded.softcap == 30.0 and torch.equal(loaded.weight, head.weight)
 
 
