@@ -36,27 +36,33 @@ def distribution_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tens
 class TrainingCheckpoint:
     """Resumable training state in one safetensors file: the trained parameters, AdamW's
     moments and step counts, and (in the metadata) the step reached and the losses so far.
-    Saved every `every` steps by writing a sibling and renaming it over the old one."""
+    Saved every `every` steps by writing a sibling and renaming it over the old one. `saved`
+    is the state to continue from (`TrainingCheckpoint.read` of the file), or None."""
 
-    def __init__(self, path: Path, every: int):
-        self.path, self.every = Path(path), every
+    def __init__(self, path: Path, every: int, saved: tuple[dict[str, torch.Tensor], list[float]] | None = None):
+        self.path, self.every, self.saved = Path(path), every, saved
+
+    @staticmethod
+    def read(path: Path) -> tuple[dict[str, torch.Tensor], list[float]]:
+        """Every saved tensor and the losses so far, read in full before any is applied."""
+        with safe_open(path, framework="pt") as handle:
+            losses = json.loads(handle.metadata()["losses"])
+            return {key: handle.get_tensor(key) for key in handle.keys()}, [float(loss) for loss in losses]
 
     def restore(self, named: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer) -> list[float]:
-        """Load a saved state into the parameters and optimizer; returns the losses so far
+        """Load the saved state into the parameters and optimizer; returns the losses so far
         (their count is the step to continue from), or [] when there is none."""
-        if not self.path.is_file():
+        if self.saved is None:
             return []
-        with safe_open(self.path, framework="pt") as handle:
-            losses = json.loads(handle.metadata()["losses"])
-            saved = set(handle.keys())
-            for name, parameter in named.items():
-                with torch.no_grad():
-                    parameter.copy_(handle.get_tensor(f"param/{name}"))
-                state = {key: handle.get_tensor(f"{key}/{name}") for key in ("step", "exp_avg", "exp_avg_sq") if f"{key}/{name}" in saved}
-                state = {key: value if key == "step" else value.to(parameter.device) for key, value in state.items()}  # AdamW keeps step on the CPU
-                if state:  # a parameter that got no gradient yet has no AdamW state
-                    optimizer.state[parameter] = state
-        return losses
+        tensors, losses = self.saved
+        for name, parameter in named.items():
+            with torch.no_grad():
+                parameter.copy_(tensors[f"param/{name}"])
+            state = {key: tensors[f"{key}/{name}"] for key in ("step", "exp_avg", "exp_avg_sq") if f"{key}/{name}" in tensors}
+            state = {key: value if key == "step" else value.to(parameter.device) for key, value in state.items()}  # AdamW keeps step on the CPU
+            if state:  # a parameter that got no gradient yet has no AdamW state
+                optimizer.state[parameter] = state
+        return list(losses)
 
     def save(self, named: dict[str, nn.Parameter], optimizer: torch.optim.Optimizer, losses: list[float]) -> None:
         tensors = {}

@@ -19,12 +19,13 @@ import platform
 import re
 import resource
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from pipelines.errors import LmpressError, require
 
@@ -370,6 +371,9 @@ def write_lineage(folder: Path, parent_chain: list[dict], record: dict, run: Sta
     return lineage
 
 
+Saved = TypeVar("Saved")
+
+
 class ResumeFolder:
     """Where a long stage keeps its progress between runs: `.<out>.resume/` beside the output.
     It belongs to one set of inputs (`key`: a hash of everything that decides the result);
@@ -386,6 +390,24 @@ class ResumeFolder:
 
     def file(self, name: str) -> Path:
         return self.path / name
+
+    def read(self, name: str, reader: Callable[[Path], Saved]) -> Saved | None:
+        """`reader(file)` of the saved progress `name`, or None when there is none. Progress
+        that does not read is discarded with a one-line warning and that part starts over:
+        it is written by renaming a finished file into place, but not synced, so a machine
+        that goes down can leave it truncated or zero-filled."""
+        from safetensors import SafetensorError
+
+        path = self.file(name)
+        if not path.is_file():
+            return None
+        try:
+            return reader(path)
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError) as error:  # JSON errors are ValueErrors
+            reason = " ".join(str(error).split())[:120] or type(error).__name__
+            sys.stderr.write(f"warning: saved progress {path} is damaged ({reason}); starting that part over\n")
+            path.unlink()
+            return None
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -365,6 +365,12 @@ def _budgeted_units(config: SearchConfig, database: LevelDatabase, chain: list[d
     return units, budget, latency
 
 
+def read_search_state(path: Path) -> SearchState:
+    saved = json.loads(path.read_text())
+    version, internal, gauss = saved.pop("rng_state")
+    return SearchState(**saved, rng_state=(version, tuple(internal), gauss))
+
+
 def search(model: str, levels: Path, calibration: Path, out: Path, config: SearchConfig) -> Path:
     """Evolutionary search for per-unit levels within the budget; writes the plan (YAML the
     quantize or prune stage takes as --overrides), the report and the fitness curve. An
@@ -384,11 +390,8 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     resume = ResumeFolder(out, inputs_key(database.manifest, calib.manifest["data_sha256"], asdict(config), chain[0]["weights_sha256"],
                                           latency.table if latency else None))
     state_file = resume.file("state.json")
-    if state_file.is_file():
-        saved = json.loads(state_file.read_text())
-        version, internal, gauss = saved.pop("rng_state")
-        state = SearchState(**saved, rng_state=(version, tuple(internal), gauss))
-    else:
+    state = resume.read(state_file.name, read_search_state)
+    if state is None:
         state = start_state(units, budget, fitness, selection, config.seed, config.start)
     start_fitness = state.history[0]["fitness"]
     start = time.perf_counter()

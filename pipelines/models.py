@@ -322,9 +322,7 @@ class LoadedModel:
     def tokenizer(self):
         """Loaded on first use: a stage that only writes it beside its output does not hold it
         (tens of MB) through its layer passes, its memory peak."""
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.folder, trust_remote_code=False)
+        return load_tokenizer(self.folder)
 
     @property
     def config(self):
@@ -384,17 +382,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def check_tokenizer_files(folder: Path) -> None:
-    """The folder has a tokenizer and its JSON files parse: a stage that loads the tokenizer only
-    at its end (to write it beside the output) must not fail there after all its work."""
-    from pipelines.artifact import read_json
-
+    """The folder has a tokenizer and it loads: a stage that loads the tokenizer only at its end
+    (to write it beside the output) must not fail there after all its work."""
     require(
         any((folder / name).is_file() for name in TOKENIZER_FILES),
         f"{folder} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the base model's tokenizer files there",
     )
-    for name in TOKENIZER_FILES:
-        if name.endswith(".json") and (folder / name).is_file():
-            read_json(folder / name, "copy the base model's tokenizer files there")
+    load_tokenizer(folder)  # about 0.1 s for SmolLM2's; dropped here, loaded again where it is used
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, or a one-line error naming why it does not load."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except Exception as error:  # the tokenizers library's Rust core raises plain Exception for a bad file
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        raise LmpressError(f"the tokenizer in {folder} does not load ({reason}); copy the base model's tokenizer files there") from error
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -1167,14 +1167,10 @@ class DraftConfig:
 def check_draft_fits(draft_folder: Path, target_folder: Path) -> None:
     """A draft proposes token ids that the target verifies: both must use one tokenizer and
     one vocabulary size (checked from the configs and tokenizers, before any weight is read)."""
-    from transformers import AutoTokenizer
-
     from compressors.draft import tokenizer_difference
-    from pipelines.models import read_config
+    from pipelines.models import load_tokenizer, read_config
 
-    difference = tokenizer_difference(
-        AutoTokenizer.from_pretrained(draft_folder, trust_remote_code=False), AutoTokenizer.from_pretrained(target_folder, trust_remote_code=False),
-    )
+    difference = tokenizer_difference(load_tokenizer(draft_folder), load_tokenizer(target_folder))
     require(
         difference is None,
         f"draft {draft_folder} does not share the target's tokenizer ({difference}); speculative decoding needs the same "
@@ -1233,9 +1229,8 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
 
     # the data: the target's continuations of calibration prompts and its final hidden states on them
     data_file = resume.file("data.safetensors")
-    if data_file.is_file():
-        data = load_file(data_file)
-    else:
+    data = resume.read(data_file.name, load_file)
+    if data is None:
         prompts = calib.spread_samples(config.prompts)[:, : config.prompt_len].contiguous()
         loaded.model.to(device)
         with progress_bar("draft: target continuations", prompts.shape[0]) as advance:
@@ -1280,7 +1275,8 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
         return student_head.logits(student.base_model(input_ids=ids.to(device), use_cache=False).last_hidden_state)
 
     with progress_bar("draft: distillation", config.steps) as advance:
-        checkpoint = TrainingCheckpoint(resume.file("training.safetensors"), config.checkpoint_every)
+        training = "training.safetensors"
+        checkpoint = TrainingCheckpoint(resume.file(training), config.checkpoint_every, resume.read(training, TrainingCheckpoint.read))
         losses = distill(
             student, teacher_logprobs, sequences, config.steps, config.lr, config.batch_size, calib.manifest["seed"], config.loss,
             student_logits, checkpoint, on_step=lambda *_: advance(), cosine_decay=config.cosine_decay,

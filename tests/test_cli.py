@@ -233,7 +233,7 @@ def test_damaged_model_files_are_one_line_and_reports_never_overwrite_them(tmp_p
 def test_reports_never_land_in_an_artifact_and_damaged_inputs_are_one_line(tmp_path, real_model_folder):
     """A report path (evaluate / latency --out, publish --receipt) inside an artifact would
     replace one of its files: refused before any work. Damaged calibration statistics, a
-    tokenizer file that does not parse, a config.json with a wrong value, an override that an
+    tokenizer file that does not parse or does not load, a config.json with a wrong value, an override that an
     earlier one shadows, truncated weights handed to publish and a damaged metrics.json are
     each one line naming the fix, and leave what they read as it was."""
     import shutil
@@ -268,8 +268,11 @@ def test_reports_never_land_in_an_artifact_and_damaged_inputs_are_one_line(tmp_p
     plan.write_text(".*:\n  bits: 3\n.*down_proj:\n  bits: 8\n")
     rtn = ["quantize", "--model", tiny, "--method", "rtn", "--group-size", "32", "--out", out]
     assert_user_error(refuse_in_process(*rtn, "--overrides", plan), "override '.*down_proj' never applies")
-    (tiny / "tokenizer.json").write_text((tiny / "tokenizer.json").read_text()[:1000])
-    assert_user_error(refuse_in_process(*rtn), "tokenizer.json is not valid JSON", out)
+    tokenizer = (tiny / "tokenizer.json").read_text()
+    (tiny / "tokenizer.json").write_text(tokenizer[:1000])
+    assert_user_error(refuse_in_process(*rtn), f"the tokenizer in {tiny} does not load (", out)
+    (tiny / "tokenizer.json").write_text(json.dumps({**json.loads(tokenizer), "model": {"type": "BPE"}}))  # JSON, but no vocabulary
+    assert_user_error(refuse_in_process(*rtn), "does not load (Missing vocab/merges", out)
     config = json.loads((tiny / "config.json").read_text())
     (tiny / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "thirty"}))
     assert_user_error(refuse_in_process(*rtn), "config.json cannot be read as a transformers config", out)

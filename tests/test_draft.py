@@ -4,6 +4,7 @@ user-given models, bad input, and on the real model: distillation raises accepta
 held-out prompts while the output stays the target's own."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -101,7 +102,7 @@ def test_distillation_lowers_the_drafts_divergence_from_the_target(tmp_path, tin
     assert report["data"]["real_text_sequences"] == 4  # two 32-token windows cut into 16-token sequences
 
 
-def test_an_interrupted_distillation_resumes_to_the_same_bytes(tmp_path, tiny_target, monkeypatch):
+def test_an_interrupted_distillation_resumes_to_the_same_bytes(tmp_path, tiny_target, monkeypatch, capsys):
     import compressors.draft
     import compressors.recovery
 
@@ -133,6 +134,26 @@ def test_an_interrupted_distillation_resumes_to_the_same_bytes(tmp_path, tiny_ta
     for file in ("model.safetensors", "vocab_trim.safetensors", "draft.json", "config.json"):
         assert (resumed / file).read_bytes() == (reference / file).read_bytes(), file
     assert not resume_folder(out).exists()
+
+    # progress a crash left damaged (renamed into place but never synced: zero-filled or cut
+    # short) is discarded with a warning, and that part starts over to the same bytes
+    monkeypatch.undo()
+    for name, damage in (("training.safetensors", "zero-fill"), ("data.safetensors", "truncate")):
+        out = tmp_path / f"damaged-{name}"
+        monkeypatch.setattr(compressors.recovery, "distribution_loss", interrupted_at_step_five)
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            draft(str(folder), calibration, out, config)
+        monkeypatch.undo()
+        saved = resume_folder(out) / name
+        if damage == "zero-fill":
+            saved.write_bytes(bytes(saved.stat().st_size))
+        else:
+            os.truncate(saved, saved.stat().st_size // 2)
+        capsys.readouterr()
+        resumed = draft(str(folder), calibration, out, config)
+        assert f"warning: saved progress {saved} is damaged" in capsys.readouterr().err
+        assert (resumed / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes(), name
 
 
 def test_a_draft_of_a_quantized_target_is_a_plain_checkpoint(tmp_path, tiny_target):

@@ -211,7 +211,7 @@ def test_search_plan_feeds_quantize_and_is_reproducible(tmp_path, tiny_setup):
         assert torch.equal(served[name].weight.float(), expected)
 
 
-def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch):
+def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch, capsys):
     import json
 
     import pipelines.levels as levels_module
@@ -262,6 +262,20 @@ def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch)
     assert (out / "plan.yaml").read_bytes() == (whole / "plan.yaml").read_bytes()
     assert json.loads((out / "search.json").read_text())["evaluations"] == report["evaluations"]
     assert not leftovers(out)
+
+    # saved progress a crash left cut short (renamed into place, never synced) is discarded
+    # with a warning: the search starts over and ends in the same plan
+    out = tmp_path / "damaged"
+    monkeypatch.setattr(levels_module, "evolve", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        levels_module.search(str(model), levels, calibration, out, config)
+    monkeypatch.setattr(levels_module, "evolve", original)
+    state = tmp_path / ".damaged.resume" / "state.json"
+    state.write_text(state.read_text()[:100])
+    capsys.readouterr()
+    levels_module.search(str(model), levels, calibration, out, config)
+    assert f"warning: saved progress {state} is damaged" in capsys.readouterr().err
+    assert (out / "plan.yaml").read_bytes() == (whole / "plan.yaml").read_bytes()
 
 
 def test_levels_settings_that_do_not_apply_are_refused():
