@@ -347,12 +347,15 @@ class StageRun:
         self.phases[phase], self.last = round(now - self.last, 3), now
 
     def info(self) -> dict:
+        import torch
+
         return {
             **({"phases_s": self.phases} if self.phases else {}),
             "wall_time_s": round(time.perf_counter() - self.start, 3),
             "peak_rss_bytes": peak_rss_bytes(),
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(),
+            "torch_threads": torch.get_num_threads(),  # the bytes of a CPU run depend on it (reduction order)
         }
 
 

@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import leftovers
 from pipelines.artifact import atomic_directory, chain_hash, read_lineage, write_lineage, StageRun
@@ -59,6 +60,7 @@ def test_lineage_chains_and_its_hash_ignores_run_details(tmp_path):
     assert read_lineage(tmp_path) == first
     assert [r["stage"] for r in first["chain"]] == ["base", "calibrate"]
     assert first["chain"][1]["parent_hash"] == chain_hash(base)
+    assert first["chain"][1]["run"]["torch_threads"] == torch.get_num_threads()  # a CPU run's bytes depend on it
     again = write_lineage(tmp_path, base, {"stage": "calibrate", "params": {"samples": 4}}, StageRun())
     assert again["hash"] == first["hash"]
     other = write_lineage(tmp_path, base, {"stage": "calibrate", "params": {"samples": 5}}, StageRun())
