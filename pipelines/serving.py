@@ -4,7 +4,6 @@ tensors, and generate text."""
 from __future__ import annotations
 
 import copy
-import re
 import shutil
 from pathlib import Path
 
@@ -22,12 +21,16 @@ INTERPRETED_ROWS = 96  # under the interpreter: 6 GEMV row blocks of 16, 1.5 GEM
 VALIDATION_TOLERANCE = 1e-2
 
 
-def _bits_for(name: str, quantization_config: dict) -> int:
-    for group in quantization_config["config_groups"].values():
-        for target in group["targets"]:
-            if target in (name, "Linear") or (target.startswith("re:") and re.fullmatch(target[3:], name)):
-                return group["weights"]["num_bits"]
-    raise AssertionError(f"{name} is packed but no config group targets it")
+def _bits_for(name: str, quantization_config: dict, folder: Path) -> int:
+    """The bit width of packed linear `name`: that of the config group compressed-tensors itself
+    picks for it (its own matching: an exact name first, then `re:` prefix matches, then a
+    class name), so a checkpoint written by another tool reads as stock transformers reads it."""
+    from compressed_tensors.utils.match import match_targets
+
+    bits = {target: group["weights"]["num_bits"] for group in quantization_config["config_groups"].values() for target in group["targets"]}
+    matched = match_targets(name, torch.nn.Linear(1, 1, device="meta"), bits)
+    require(matched, f"{folder}/config.json has no quantization config group that targets {name}, which is packed; restore the artifact's own config.json")
+    return bits[matched[0]]
 
 
 def packed_weights(folder: Path) -> dict:
@@ -69,9 +72,13 @@ def packed_weights(folder: Path) -> dict:
     for key in sorted(k for k in handles if k.endswith(".weight_packed")):
         name = key.removesuffix(".weight_packed")
         require(f"{name}.weight_zero_point" not in handles, f"{name} has packed zero points; lmpress serves those from its own format only")
-        weights[name] = PackedWeight(
-            tensor(key), tensor(f"{name}.weight_scale").half(), _bits_for(name, settings), int(tensor(f"{name}.weight_shape")[1]),
+        packed, bits, columns = tensor(key), _bits_for(name, settings, folder), int(tensor(f"{name}.weight_shape")[1])
+        require(
+            packed.shape[1] == -(-columns * bits // 32),
+            f"{key} holds {packed.shape[1]} words a row, not the {-(-columns * bits // 32)} of {columns} {bits}-bit codes its config "
+            "group gives it; restore the artifact's own config.json",
         )
+        weights[name] = PackedWeight(packed, tensor(f"{name}.weight_scale").half(), bits, columns)
     return weights
 
 

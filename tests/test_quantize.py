@@ -302,16 +302,37 @@ def test_bitsandbytes_baselines_reload(tmp_path, tiny_folder, method, caplog):
     AutoModelForCausalLM.from_pretrained(out)
 
 
+def save_with_compressed_tensors(model, quantized: dict, groups: list[tuple[list[str], GridSpec]], out) -> None:
+    """Write `model` with its `quantized` linears as compressed-tensors' own compressor does,
+    under config groups of (targets, grid) in this order."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
+
+    from compressors.packed_int import FORMAT, _weight_args
+
+    config = QuantizationConfig(
+        config_groups={f"group_{i}": QuantizationScheme(targets=targets, weights=_weight_args(spec)) for i, (targets, spec) in enumerate(groups)},
+        ignore=[name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and name not in quantized],
+    )
+    modules = dict(model.named_modules())
+    for name, q in quantized.items():
+        modules[name].weight.data = q.dequantized()
+    apply_quantization_config(model, config)
+    for name, q in quantized.items():
+        modules[name].weight_scale = torch.nn.Parameter(q.scale.half(), requires_grad=False)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMAT)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+
+
 def test_pack_quantized_writer_matches_compressed_tensors_own_compressor(tmp_path, tiny_folder):
     """lmpress writes the packed tensors from the codes, without reading the (released)
     weights; the result is what compressed-tensors' own compressor writes from the dequantized
     weights: the same tensors and the same config, with mixed grids, per channel and a linear
     left dense."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
-
     from compressors.lmpress_format import packed_weight
-    from compressors.packed_int import FORMAT, _weight_args, save_pack_quantized
+    from compressors.packed_int import save_pack_quantized
     from pipelines.models import load_model, release_weights
 
     grids = {"model.layers.0.mlp.down_proj": GridSpec(8, -1), "model.layers.1.self_attn.q_proj": GridSpec(2, 32)}
@@ -333,23 +354,47 @@ def test_pack_quantized_writer_matches_compressed_tensors_own_compressor(tmp_pat
         for name, spec in plan.items():
             by_spec.setdefault(spec, []).append(name)
         groups = sorted(by_spec.items(), key=lambda item: item[1][0])
-        config = QuantizationConfig(
-            config_groups={f"group_{i}": QuantizationScheme(targets=names, weights=_weight_args(spec)) for i, (spec, names) in enumerate(groups)},
-            ignore=[],
-        )
-        for name, q in quantized.items():
-            modules[name].weight.data = q.dequantized()
-        apply_quantization_config(model, config)
-        for name, q in quantized.items():
-            modules[name].weight_scale = torch.nn.Parameter(q.scale.half(), requires_grad=False)
-        compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMAT)
-        compressor.compress_model(model)
-        model.save_pretrained(out)
-        compressor.update_config(out)
+        save_with_compressed_tensors(model, quantized, [(names, spec) for spec, names in groups], out)
     ours, theirs = (load_file(outputs[w] / "model.safetensors") for w in ("lmpress", "compressed-tensors"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
     assert "model.layers.3.mlp.up_proj.weight" in ours
     assert json.loads((outputs["lmpress"] / "config.json").read_text()) == json.loads((outputs["compressed-tensors"] / "config.json").read_text())
+
+
+def test_compressed_tensors_checkpoints_serve_with_compressed_tensors_target_matching(tmp_path, tiny_folder):
+    """A pack-quantized checkpoint another tool wrote, its config groups targeting by `re:`
+    prefix and by class (compressed-tensors matches an exact name first, then a regex from the
+    name's start, then a class): lmpress's kernels serve each linear at the bits stock
+    transformers reads it at, and a config that gives a linear other bits than its packed
+    width is one line."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from pipelines.models import load_model
+    from pipelines.serving import load_for_serving, packed_weights
+
+    model = load_model(str(tiny_folder)).model
+    first, wide = r"re:model\.layers\.0\.", GridSpec(8, 32)
+    quantized = {
+        name: round_to_nearest(module.weight.data, wide if name.startswith("model.layers.0.") else GridSpec(4, 32))
+        for name, module in model.named_modules() if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear)
+    }
+    out = tmp_path / "other-tool"
+    shutil.copytree(tiny_folder, out)
+    save_with_compressed_tensors(model, quantized, [([first], wide), (["Linear"], GridSpec(4, 32))], out)
+    assert {name: w.bits for name, w in packed_weights(out).items()} == {name: q.spec.bits for name, q in quantized.items()}
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stock = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
+        served = load_for_serving(str(out)).model(ids).logits
+    assert (served - stock).abs().max() <= 1e-4 * stock.abs().max()
+
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["targets"] = [r"re:model\.layers\.1\."]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LmpressError, match=r"model\.layers\.0\.mlp\.down_proj\.weight_packed holds 24 words a row, not the 12 of 96 4-bit codes"):
+        packed_weights(out)
 
 
 def _resident_file_mb() -> float:
