@@ -42,6 +42,20 @@ def _weight_args(spec: GridSpec):
     )
 
 
+def config_group_of(name: str, quantization_config: dict) -> dict | None:
+    """The config group (as config.json holds it) that compressed-tensors itself applies to the
+    linear `name`, by its own matching: an exact name first, then `re:` patterns matched from
+    the name's start, then a class name; None where `ignore` lists it or no group targets it.
+    Another tool's checkpoint then reads as stock transformers and vLLM read it."""
+    from compressed_tensors.utils.match import is_match, match_targets
+
+    linear = torch.nn.Linear(1, 1, device="meta")  # what every packed module is, for class targets such as "Linear"
+    groups = {target: group for group in quantization_config.get("config_groups", {}).values() for target in group["targets"]}
+    if not is_match(name, linear, groups, quantization_config.get("ignore") or ()):
+        return None
+    return groups[match_targets(name, linear, groups)[0]]
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Signed codes [out, in] -> int32 words [out, ceil(in * bits / 32)], compressed-tensors' packer."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32

@@ -29,7 +29,7 @@ DRAFT_REPORT = "draft.json"
 VALIDATION_REPORT = "validation.json"
 # the settings that name a stage in the card's one-line summary (all settings are in the table)
 HEADLINE = {
-    "quantize": ("method", "bits", "group_size", "symmetric"),
+    "quantize": ("method", "bits", "group_size", "symmetric", "overrides"),  # bits and group size: where no override applies
     "prune": ("method", "pattern", "bits"),
     "prune-structured": ("target_params", "scorer", "allocation"),
     "drop-layers": ("n", "scorer", "layers"),
@@ -37,6 +37,7 @@ HEADLINE = {
     "draft": ("layers", "draft", "vocab_trim", "steps"),
 }
 VLLM_BITS = (4, 8)  # compressed-tensors pack-quantized widths vLLM's WNA16 kernels serve
+VLLM_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears vLLM runs as one (qkv_proj, gate_up_proj)
 
 
 @dataclass
@@ -177,8 +178,45 @@ def loaders(facts: ArtifactFacts) -> tuple[bool, bool]:
         return False, False
     if quant.get("quant_method") == "compressed-tensors":
         groups = (quant.get("config_groups") or {}).values()
-        return True, quant.get("format") == "pack-quantized" and all((g.get("weights") or {}).get("num_bits") in VLLM_BITS for g in groups)
+        widths = quant.get("format") == "pack-quantized" and all((g.get("weights") or {}).get("num_bits") in VLLM_BITS for g in groups)
+        return True, widths and _fused_parts_agree(facts)
     return True, True  # plain weights or bitsandbytes, both of which transformers and vLLM load
+
+
+def _fused_parts_agree(facts: ArtifactFacts) -> bool:
+    """vLLM builds each layer's q/k/v and gate/up projections as one linear with one scheme
+    (it refuses parts quantized differently, or some quantized and some dense): each such set's
+    parts must share their weights' settings, or all be dense."""
+    from safetensors import safe_open
+
+    from compressors.packed_int import config_group_of
+    from pipelines.models import weight_files
+
+    linears = set()
+    for file in weight_files(facts.folder):
+        with safe_open(file, framework="pt") as handle:
+            linears.update(key.removesuffix(".weight_packed").removesuffix(".weight") for key in handle.keys())
+    for parts in VLLM_FUSED:
+        for name in (n for n in linears if n.endswith(f".{parts[0]}")):
+            prefix = name.removesuffix(parts[0])
+            settings = {json.dumps((config_group_of(prefix + part, facts.quantization) or {}).get("weights"), sort_keys=True)
+                        for part in parts if prefix + part in linears}
+            if len(settings) > 1:
+                return False
+    return True
+
+
+def stored_bits(facts: ArtifactFacts) -> list[int]:
+    """The bit widths the weights are stored at, from the quantization config (a per-layer plan
+    can mix several); [] where it names none."""
+    quant = facts.quantization
+    if quant.get("quant_method") == "compressed-tensors":
+        widths = {(group.get("weights") or {}).get("num_bits") for group in (quant.get("config_groups") or {}).values()}
+    elif quant.get("quant_method") == "lmpress":
+        widths = {module.get("bits") for module in (quant.get("modules") or {}).values()} - {16}  # 16: kept in fp16
+    else:
+        widths = set()
+    return sorted(width for width in widths if isinstance(width, int))
 
 
 def _settings(params: dict, keys=None) -> str:
@@ -221,7 +259,8 @@ def _tags(facts: ArtifactFacts) -> list[str]:
         params = record.get("params") or {}
         tags.append(record["stage"])
         if record["stage"] == "quantize":
-            tags += [f"{params.get('bits')}-bit", str(params.get("method"))]
+            bits = stored_bits(facts) or [params.get("bits")]
+            tags += [*(f"{width}-bit" for width in bits), *(["mixed-precision"] if len(bits) > 1 else []), str(params.get("method"))]
         if record["stage"] == "prune" and ":" in str(params.get("pattern", "")):
             tags.append(f"{params['pattern']}-sparsity")
         if record["stage"] == "draft":

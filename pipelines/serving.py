@@ -22,15 +22,11 @@ VALIDATION_TOLERANCE = 1e-2
 
 
 def _bits_for(name: str, quantization_config: dict, folder: Path) -> int:
-    """The bit width of packed linear `name`: that of the config group compressed-tensors itself
-    picks for it (its own matching: an exact name first, then `re:` prefix matches, then a
-    class name), so a checkpoint written by another tool reads as stock transformers reads it."""
-    from compressed_tensors.utils.match import match_targets
+    from compressors.packed_int import config_group_of
 
-    bits = {target: group["weights"]["num_bits"] for group in quantization_config["config_groups"].values() for target in group["targets"]}
-    matched = match_targets(name, torch.nn.Linear(1, 1, device="meta"), bits)
-    require(matched, f"{folder}/config.json has no quantization config group that targets {name}, which is packed; restore the artifact's own config.json")
-    return bits[matched[0]]
+    group = config_group_of(name, quantization_config)
+    require(group is not None, f"{folder}/config.json has no quantization config group that targets {name}, which is packed; restore the artifact's own config.json")
+    return group["weights"]["num_bits"]
 
 
 def packed_weights(folder: Path) -> dict:

@@ -122,6 +122,32 @@ def test_dry_run_writes_the_upload_folder_without_a_token_or_network(quantized, 
     assert again["card_text"] == result["card_text"]  # the same artifact gives the same card, byte for byte
 
 
+def test_the_card_claims_vllm_only_where_its_fused_linears_share_a_scheme_and_tags_every_width(quantized, tmp_path):
+    """vLLM runs q/k/v and gate/up as one linear each, with one scheme: a plan that gives q_proj
+    8 bits and k/v 4, or leaves gate_proj dense beside a 4-bit up_proj, is no vLLM model, though
+    every width is one vLLM serves. The tags name every width the plan stores."""
+    from pipelines.publish import model_card, read_facts
+    from pipelines.stages import QuantizeConfig, quantize
+
+    base = Path(json.loads((quantized[0] / "lineage.json").read_text())["chain"][0]["model"])
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("'.*q_proj': {bits: 8, group_size: -1}\n")
+    cards = {}
+    for name, settings in (
+        ("whole-layers-apart", {"skip": r"layers\.0\."}),  # every part of layer 0 dense: vLLM serves it
+        ("q-apart", {"overrides": str(plan)}),
+        ("gate-apart", {"skip": "gate_proj"}),
+    ):
+        out = quantize(str(base), None, tmp_path / name, QuantizeConfig(method="rtn", bits=4, group_size=32, **settings))
+        cards[name] = model_card(read_facts(out), f"tester/{name}")
+    assert "vllm serve" in cards["whole-layers-apart"]
+    assert "vllm serve" not in cards["q-apart"] and "vllm serve" not in cards["gate-apart"]
+    front = cards["q-apart"].split("---")[1]
+    assert "- 4-bit" in front and "- 8-bit" in front and "- mixed-precision" in front
+    assert f"overrides={plan}" in cards["q-apart"]  # the headline's bits=4 is where no override applies
+    assert "- 8-bit" not in cards["gate-apart"].split("---")[1]
+
+
 def test_publish_refuses_bad_input_and_reports_hub_failures_in_one_line(quantized, tmp_path, monkeypatch):
     from pipelines.publish import PublishConfig, publish
     from pipelines.serving import validate
