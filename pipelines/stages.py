@@ -359,7 +359,7 @@ CALIBRATED_METHODS = ("gptq", "awq", *CODEBOOK_METHODS)
 PER_LINEAR_METHODS = ("gptq", *CODEBOOK_METHODS)  # each linear from its own input statistics (AWQ scales a layer's linears together)
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own formats, which fix bits, group size and symmetry (FIXED_SETTINGS)
-ACT_ORDER_METHODS = ("gptq", "squeezellm-gptq")  # the methods whose GPTQ error feedback takes an act-order
+ACT_ORDER_METHODS = ("gptq", "squeezellm-gptq")  # the methods with GPTQ's error feedback: they take an act-order and a damp
 # The settings a method's format fixes, and that format in words (for the refusal of another value):
 # a value the method would ignore is refused, so that the lineage records only what ran.
 FIXED_SETTINGS = {
@@ -432,6 +432,17 @@ class QuantizeConfig:
         )
         self.default_grid()
 
+    def ran_with(self) -> dict:
+        """The settings as the lineage records them: those the method never reads are None, so
+        one artifact has one record whatever they were given as (a pipeline whose params switch
+        the method still passes them all)."""
+        unread = []
+        if self.method not in CALIBRATED_METHODS:  # no statistics, so no passes to run
+            unread += ["sequential", "true_sequential", "forward_dtype", "batch_size"]
+        if self.method not in ACT_ORDER_METHODS:  # no GPTQ error feedback to damp
+            unread.append("damp")
+        return {**asdict(self), **dict.fromkeys(unread)}
+
     def resolve_format(self) -> None:
         """bits, group size and symmetry as the method runs them: what its format fixes (a
         different value given is refused, not ignored), else the value given, else DEFAULT_GRID."""
@@ -503,19 +514,20 @@ def planned_linears(model, skip: str, overrides: dict, default):
     """(full name, module, setting) for every decoder linear not matched by a `skip` regex
     (comma-separated, searched); the setting is the first override whose regex matches the
     whole name, else `default`. A skip or override regex that matches no linear at all (a
-    typo, a plan made for another model), or an override whose every match an earlier one takes
-    (so it never applies), is an error once the walk is done, not a silent no-op."""
+    typo, a plan made for another model), or an override whose every match is skipped or taken
+    by an earlier one (so it never applies), is an error once the walk is done, not a silent no-op."""
     skips = [compiled_regex(pattern.strip(), "--skip") for pattern in skip.split(",") if pattern.strip()]
     regexes = [(compiled_regex(str(regex), "override"), value) for regex, value in overrides.items()]
     prefix = architecture_of(model.config).layers
-    matched, applied = set(), set()
+    matched, kept, applied = set(), set(), set()  # overrides matching a linear, one left to compress, one they decide
     for index, layer in enumerate(decoder_layers(model)):
         for local, module in layer_linears(model, layer).items():
             name = f"{prefix}.{index}.{local}"
             matches = [(regex.pattern, value) for regex, value in regexes if regex.fullmatch(name)]
             matched.update(pattern for pattern, _ in matches)
-            applied.update(pattern for pattern, _ in matches[:1])
             if not any(pattern.search(name) for pattern in skips):
+                kept.update(pattern for pattern, _ in matches)
+                applied.update(pattern for pattern, _ in matches[:1])
                 yield name, module, matches[0][1] if matches else default
     example = f"names look like {prefix}.0.mlp.down_proj"
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]  # lm_head too: never compressed, skipping it is no mistake
@@ -527,6 +539,8 @@ def planned_linears(model, skip: str, overrides: dict, default):
         f"override '{min(unmatched, default='')}' matches no linear of this model ({example} and must match whole); "
         "fix the regex, or use a plan made for this model",
     )
+    skipped = [regex.pattern for regex, _ in regexes if regex.pattern not in kept]
+    require(not skipped, f"override '{next(iter(skipped), '')}' never applies: --skip leaves every linear it matches dense; drop one of the two")
     shadowed = [regex.pattern for regex, _ in regexes if regex.pattern not in applied]
     require(
         not shadowed,
@@ -613,7 +627,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         require(not overrides, f"{config.method} (bitsandbytes) takes no per-layer overrides; use rtn, gptq or awq")
         with atomic_directory(out) as tmp:
             _quantize_bitsandbytes(loaded, plan, config.method, tmp)
-            write_lineage(tmp, chain, {"stage": "quantize", "params": asdict(config)}, run)
+            write_lineage(tmp, chain, {"stage": "quantize", "params": config.ran_with()}, run)
         return Path(out)
 
     def quantize_layer(index, layer, stats):  # stats: of the linears to quantize now (true-sequential: one group's)
@@ -680,7 +694,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         loaded.tokenizer.save_pretrained(tmp)
         shutil.rmtree(spilled)
         validate(tmp)
-        record = {"stage": "quantize", "params": asdict(config), "overrides": overrides, **calibration_record(calib)}
+        record = {"stage": "quantize", "params": config.ran_with(), "overrides": overrides, **calibration_record(calib)}
         write_lineage(tmp, chain, record, run)
     return Path(out)
 

@@ -233,9 +233,10 @@ def test_damaged_model_files_are_one_line_and_reports_never_overwrite_them(tmp_p
 def test_reports_never_land_in_an_artifact_and_damaged_inputs_are_one_line(tmp_path, real_model_folder):
     """A report path (evaluate / latency --out, publish --receipt) inside an artifact would
     replace one of its files: refused before any work. Damaged calibration statistics, a
-    tokenizer file that does not parse or does not load, a config.json with a wrong value, an override that an
-    earlier one shadows, truncated weights handed to publish and a damaged metrics.json are
-    each one line naming the fix, and leave what they read as it was."""
+    tokenizer file that does not parse or does not load, a config.json with a wrong value, an
+    override that an earlier one shadows or a skip leaves out, truncated weights handed to
+    publish and a damaged metrics.json are each one line naming the fix, and leave what they
+    read as it was."""
     import shutil
 
     from conftest import save_tiny, tiny_config
@@ -268,6 +269,8 @@ def test_reports_never_land_in_an_artifact_and_damaged_inputs_are_one_line(tmp_p
     plan.write_text(".*:\n  bits: 3\n.*down_proj:\n  bits: 8\n")
     rtn = ["quantize", "--model", tiny, "--method", "rtn", "--group-size", "32", "--out", out]
     assert_user_error(refuse_in_process(*rtn, "--overrides", plan), "override '.*down_proj' never applies")
+    plan.write_text(".*down_proj:\n  bits: 8\n")
+    assert_user_error(refuse_in_process(*rtn, "--overrides", plan, "--skip", "mlp"), "override '.*down_proj' never applies: --skip leaves", out)
     tokenizer = (tiny / "tokenizer.json").read_text()
     (tiny / "tokenizer.json").write_text(tokenizer[:1000])
     assert_user_error(refuse_in_process(*rtn), f"the tokenizer in {tiny} does not load (", out)

@@ -275,6 +275,23 @@ def test_per_layer_overrides_and_skips_reach_the_artifact(tmp_path, tiny_folder)
     assert record["overrides"] == {"model\\.layers\\.0\\..*": {"bits": 8}, ".*down_proj": {"bits": 2, "group_size": 32}}
 
 
+def test_settings_a_method_never_reads_leave_its_lineage_alone(tmp_path, tiny_folder):
+    """RTN reads no statistics and runs no GPTQ feedback: given --damp, --sequential,
+    --forward-dtype or --batch-size, it writes the same artifact under the same lineage hash,
+    and the record says those settings did not apply."""
+    from pipelines.stages import QuantizeConfig, quantize
+
+    plain = quantize(str(tiny_folder), None, tmp_path / "plain", QuantizeConfig(method="rtn", group_size=32))
+    given = quantize(str(tiny_folder), None, tmp_path / "given", QuantizeConfig(
+        method="rtn", group_size=32, damp=0.3, sequential=True, forward_dtype="float32", batch_size=7,
+    ))
+    lineages = [json.loads((folder / "lineage.json").read_text()) for folder in (plain, given)]
+    assert lineages[0]["hash"] == lineages[1]["hash"]
+    params = lineages[1]["chain"][-1]["params"]
+    assert all(params[key] is None for key in ("damp", "sequential", "true_sequential", "forward_dtype", "batch_size")), params
+    assert (plain / "model.safetensors").read_bytes() == (given / "model.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("method", ["nf4", "int8"])
 def test_bitsandbytes_baselines_reload(tmp_path, tiny_folder, method, caplog):
     from transformers import AutoModelForCausalLM
