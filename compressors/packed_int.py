@@ -32,13 +32,17 @@ from pipelines.errors import require
 FORMAT = "pack-quantized"
 
 
-def _weight_args(spec: GridSpec):
+def _weight_args(spec: GridSpec, act_order: bool = False):
+    """compressed-tensors' description of the grid; `act_order`: GPTQ ran in activation order
+    with static groups ("weight", which 0.20 also spells "static"): recorded, and nothing to
+    load, since the groups stay in column order and need no g_idx."""
     from compressed_tensors.quantization import QuantizationArgs
 
     per_channel = spec.group_size == -1
     return QuantizationArgs(
         num_bits=spec.bits, type="int", symmetric=spec.symmetric,
         strategy="channel" if per_channel else "group", group_size=None if per_channel else spec.group_size,
+        actorder="weight" if act_order else None,
     )
 
 
@@ -63,9 +67,10 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_to_int32(codes.to(torch.int8), bits)
 
 
-def save_pack_quantized(model: nn.Module, packed: dict[str, "PackedWeight"], grids: dict[str, GridSpec], folder: Path) -> None:
+def save_pack_quantized(model: nn.Module, packed: dict[str, "PackedWeight"], grids: dict[str, GridSpec], folder: Path, act_order: bool = False) -> None:
     """Write `model` with the given linears (full module names -> their PackedWeight, on the
-    grid `grids[name]`) in compressed-tensors' pack-quantized form. The linears' own weights
+    grid `grids[name]`, GPTQ's in activation order where `act_order`) in compressed-tensors'
+    pack-quantized form. The linears' own weights
     are not read (a stage may have released them); compressed-tensors supplies the config. The
     model gets compressed-tensors' quantization schemes attached; do not use it afterwards."""
     from compressed_tensors.compressors import ModelCompressor
@@ -81,7 +86,7 @@ def save_pack_quantized(model: nn.Module, packed: dict[str, "PackedWeight"], gri
         by_spec.setdefault(grids[name], []).append(name)
     config = QuantizationConfig(
         config_groups={
-            f"group_{i}": QuantizationScheme(targets=names, weights=_weight_args(spec))
+            f"group_{i}": QuantizationScheme(targets=names, weights=_weight_args(spec, act_order))
             for i, (spec, names) in enumerate(sorted(by_spec.items(), key=lambda item: item[1][0]))
         },
         ignore=[],

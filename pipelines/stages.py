@@ -686,7 +686,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         if sparse or config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):
             save_lmpress_packed(loaded.model, packed, tmp)  # what compressed-tensors cannot carry
         else:
-            save_pack_quantized(loaded.model, packed, plan, tmp)
+            save_pack_quantized(loaded.model, packed, plan, tmp, config.act_order)
         packed.clear()  # written: their memory, and the model's, goes back before the tokenizer loads and the kernels are validated
         loaded.model = None
         gc.collect()  # the model's modules reference each other: only a collection frees them (and unmaps the embedding)

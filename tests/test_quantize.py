@@ -488,6 +488,8 @@ def test_true_sequential_quantizes_every_linear(tmp_path, real_model_folder):
     """Through the stage: every linear is packed once (a layer's groups spill separately) and
     the result differs from the whole-layer walk's quantization only by the inputs each group saw.
     True-sequential is the default where it applies."""
+    from transformers import AutoModelForCausalLM
+
     from conftest import save_tiny, tiny_config
     from pipelines.serving import packed_weights
     from pipelines.stages import QuantizeConfig, quantize
@@ -495,6 +497,9 @@ def test_true_sequential_quantizes_every_linear(tmp_path, real_model_folder):
     folder = save_tiny(tmp_path / "tiny", tiny_config("llama"), real_model_folder, tmp_path / "calib")
     whole_layer = packed_weights(quantize(str(folder), tmp_path / "calib", tmp_path / "q", QuantizeConfig(group_size=32, true_sequential=False)))
     grouped = packed_weights(quantize(str(folder), tmp_path / "calib", tmp_path / "qt", QuantizeConfig(group_size=32)))
+    groups = json.loads((tmp_path / "qt" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert {group["weights"]["actorder"] for group in groups.values()} == {"weight"}  # GPTQ's default act order, static groups
+    AutoModelForCausalLM.from_pretrained(tmp_path / "qt")  # which stock transformers loads as it is
     assert grouped.keys() == whole_layer.keys() and len(grouped) == 4 * 7
     same = {name for name in grouped if torch.equal(grouped[name].packed, whole_layer[name].packed)}
     assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"} <= same
