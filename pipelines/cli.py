@@ -544,8 +544,9 @@ def main() -> None:
         sys.stderr.write(f"error: the filesystem refused a write{where}: {reason}; free space or write elsewhere, then run the command again\n")
         sys.exit(2)
     if code == interrupted:
-        writes = sys.argv[1:2] != ["generate"]  # the one command that writes nothing
-        sys.stderr.write("interrupted: no partial artifact was left; run the command again to restart\n" if writes else "interrupted\n")
+        command = sys.argv[1:2]
+        resumes = "; the progress so far is kept: run the command again to resume" if command in (["draft"], ["search"]) else "; run the command again to restart"
+        sys.stderr.write(f"interrupted: no partial artifact was left{resumes}\n" if command != ["generate"] else "interrupted\n")  # generate writes nothing
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -60,3 +60,14 @@ def test_dvc_repro_runs_then_skips_and_shows_metrics(tmp_path):
     assert "metrics/base.json" in shown and "metrics/quantized.json" in shown and "metrics/pruned.json" in shown and "metrics/kv-merged.json" in shown
     assert "lookahead.2.tokens_per_target_forward" in shown and "metrics/quantized-searched.json" in shown
     assert "austen-heldout.kl_to_base" in shown and "pydoc-heldout.perplexity" in shown
+    assert "artifacts/search/search.json" in shown
+
+    # the search's metrics and plot live under artifacts/ (not in git): DVC's cache keeps them
+    for name in ("search.json", "history.csv"):
+        (tmp_path / "artifacts/search" / name).unlink()
+    dvc("checkout", cwd=tmp_path)
+    assert (tmp_path / "artifacts/search/history.csv").read_text().startswith("generation,fitness")
+    # the calibration stores the block influence compressors/structured.py computes
+    with open(tmp_path / "compressors/structured.py", "a") as file:
+        file.write("\n# changed\n")
+    assert "compressors/structured.py" in dvc("status", "calibrate", cwd=tmp_path)
