@@ -43,6 +43,21 @@ def test_calibration_and_heldout_parts_never_share_a_document(domain):
         check_disjoint(sorted(calib), sorted(calib)[:1], f"{domain}-calib")
 
 
+def test_pydoc_calibration_text_shares_no_run_of_tokens_with_the_held_out_text(real_tokenizer):
+    """pydoc's topics repeat each other (`specialnames` holds every paragraph of the held-out
+    `attribute-access`): the calibration part drops what the held-out part says, and not one
+    32-token run of held-out text remains in it, while it keeps over 90% of its words."""
+    from pydoc_data.topics import topics
+
+    run = 32
+    calibration, held_out = (tokenize_part(part, real_tokenizer).tokens.tolist() for part in ("pydoc-calib", "pydoc-heldout"))
+    calibration_runs = {tuple(calibration[i : i + run]) for i in range(len(calibration) - run + 1)}
+    assert not any(tuple(held_out[i : i + run]) in calibration_runs for i in range(len(held_out) - run + 1))
+    names = sorted(topics)
+    whole = sum(len(topics[name].split()) for i, name in enumerate(names) if i % corpora.PYDOC_HELDOUT_EVERY)
+    assert 0.9 * whole < sum(len(d.text.split()) for d in load_corpus_part("pydoc-calib")) < whole
+
+
 def test_user_txt_and_jsonl_files(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one"}) + "\n\n" + json.dumps({"text": "two", "x": 1}) + "\n")
