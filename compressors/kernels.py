@@ -262,4 +262,4 @@ class PackedLinear(nn.Module):
                 self._dense = packed_int.dequantize_reference(self.weight_packed).to(dtype)
             out = nn.functional.linear(flat.to(self._dense.dtype), self._dense)
         out = (out if out.dtype == x.dtype else out.to(x.dtype)).reshape(*x.shape[:-1], self.out_features)
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(out.dtype)  # in x's dtype, as nn.Linear's output is

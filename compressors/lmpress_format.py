@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compressors.packed_int import PackedWeight, pack_codes
+from compressors.packed_int import PackedWeight, pack_codes, require_groups
 from pipelines.errors import require
 
 QUANT_METHOD = "lmpress"
@@ -113,4 +113,6 @@ def read_packed_weights(folder: Path, config: dict, tensors) -> dict[str, Packed
             optional("codebook", module["decode"] == "codebook"),
             optional("bitmask", module["sparse24"]),
         )
+        if module["decode"] == "grid":
+            require_groups(f"{name}.weight_scale", weights[name].scale, weights[name].columns, module["group_size"])
     return weights

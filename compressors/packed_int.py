@@ -60,6 +60,17 @@ def config_group_of(name: str, quantization_config: dict) -> dict | None:
     return groups[match_targets(name, linear, groups)[0]]
 
 
+def require_groups(key: str, scale: torch.Tensor, columns: int, group_size: int | None) -> None:
+    """The scales `key` hold one group a `group_size` of the `columns` inputs (None: one a row),
+    as the config says; else the group size the kernels work out would decode other weights."""
+    groups = 1 if group_size is None else columns // group_size
+    require(
+        (group_size is None or columns % group_size == 0) and scale.shape[1] == groups,
+        f"{key} holds {scale.shape[1]} groups a row, not those of {columns} inputs in groups of {group_size or columns} its config "
+        "gives; restore the artifact's own config.json",
+    )
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Signed codes [out, in] -> int32 words [out, ceil(in * bits / 32)], compressed-tensors' packer."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -1381,6 +1392,7 @@ def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, bloc
         check_triton_backend(x.device)
     x = x.contiguous()
     M, K = x.shape
+    require(K == weight.columns, f"x has {K} inputs; the weight takes {weight.columns}")  # the kernels would read past it or stop short
     y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)
     grid, tensors, strides, flags = weight._launch
     if grid:

@@ -406,14 +406,20 @@ def validate(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the report (default: ARTIFACT/validation.json)."),
 ):
     """Check each kernel against its torch reference on the artifact's own tensors (batch 1, 16, 64); on a GPU, also its speed vs dense fp16."""
+    from pipelines.serving import worst_error, validation_failures
     from pipelines.serving import validate as run
 
     report = run(artifact, out)
     table = Table("linear", "kernel", "max rel error", "speedup vs fp16 (1/16/64)", title=f"{report['device']} (gpu_validated={report['gpu_validated']})")
     for name, entry in report["layers"].items():
         speed = "/".join(f"{v:.2f}" for v in entry.get("speedup_vs_fp16", {}).values()) or "needs a GPU"
-        table.add_row(name, str(entry.get("kernel")), f"{max(entry.get('max_rel_error', {0: 0}).values()):.2e}", speed)
+        worst = worst_error(entry.get("max_rel_error", {0: 0}).values())
+        table.add_row(name, str(entry.get("kernel")), "NaN/inf" if worst is None else f"{worst:.2e}", speed)
     out_console.print(table)
+    failures = validation_failures(report)
+    if failures:  # the report is written either way: it says what failed
+        sys.stderr.write(f"error: kernel validation failed: {failures[0]}{f' (and {len(failures) - 1} more)' if len(failures) > 1 else ''}; the report says which\n")
+        raise typer.Exit(1)
 
 
 @app.command()

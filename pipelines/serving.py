@@ -4,13 +4,14 @@ tensors, and generate text."""
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 from pathlib import Path
 
 import torch
 
 from pipelines.artifact import file_sha256, read_safetensors, require_output_path, write_json, writing
-from pipelines.errors import require
+from pipelines.errors import LmpressError, require
 from pipelines.models import LoadedModel, check_weight_files, config_json, load_model, weight_files
 
 VALIDATION_FILE = "validation.json"
@@ -21,12 +22,13 @@ INTERPRETED_ROWS = 96  # under the interpreter: 6 GEMV row blocks of 16, 1.5 GEM
 VALIDATION_TOLERANCE = 1e-2
 
 
-def _bits_for(name: str, quantization_config: dict, folder: Path) -> int:
+def _grid_of(name: str, quantization_config: dict, folder: Path) -> dict:
+    """The weights' settings of the config group that applies to packed linear `name`."""
     from compressors.packed_int import config_group_of
 
     group = config_group_of(name, quantization_config)
     require(group is not None, f"{folder}/config.json has no quantization config group that targets {name}, which is packed; restore the artifact's own config.json")
-    return group["weights"]["num_bits"]
+    return group["weights"]
 
 
 def packed_weights(folder: Path) -> dict:
@@ -35,7 +37,7 @@ def packed_weights(folder: Path) -> dict:
     from safetensors import safe_open
 
     from compressors import lmpress_format
-    from compressors.packed_int import FORMAT, PackedWeight
+    from compressors.packed_int import FORMAT, PackedWeight, require_groups
     from pipelines.stages import COMPRESSED_FOLDER
 
     folder = Path(folder)
@@ -68,13 +70,15 @@ def packed_weights(folder: Path) -> dict:
     for key in sorted(k for k in handles if k.endswith(".weight_packed")):
         name = key.removesuffix(".weight_packed")
         require(f"{name}.weight_zero_point" not in handles, f"{name} has packed zero points; lmpress serves those from its own format only")
-        packed, bits, columns = tensor(key), _bits_for(name, settings, folder), int(tensor(f"{name}.weight_shape")[1])
+        grid, packed, columns = _grid_of(name, settings, folder), tensor(key), int(tensor(f"{name}.weight_shape")[1])
+        bits, scale = grid["num_bits"], tensor(f"{name}.weight_scale").half()
         require(
             packed.shape[1] == -(-columns * bits // 32),
             f"{key} holds {packed.shape[1]} words a row, not the {-(-columns * bits // 32)} of {columns} {bits}-bit codes its config "
             "group gives it; restore the artifact's own config.json",
         )
-        weights[name] = PackedWeight(packed, tensor(f"{name}.weight_scale").half(), bits, columns)
+        require_groups(f"{name}.weight_scale", scale, columns, grid.get("group_size") if grid.get("strategy") == "group" else None)
+        weights[name] = PackedWeight(packed, scale, bits, columns)
     return weights
 
 
@@ -96,15 +100,24 @@ def load_lmpress_packed(folder: Path, config, dtype: torch.dtype):
     from transformers.utils import logging as hf_logging
 
     config = copy.deepcopy(config)
-    config.__dict__.pop("quantization_config")
+    packed = set(config.__dict__.pop("quantization_config")["modules"])
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the mismatched weights are expected; they are replaced below
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, loading = AutoModelForCausalLM.from_pretrained(
             folder, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False, ignore_mismatched_sizes=True,
+            output_loading_info=True,
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+    # only the packed linears may differ from the model (their codes and extras); any other
+    # missing or misshapen tensor would be initialized at random without a word
+    damaged = sorted(loading["missing_keys"]) + sorted(
+        f"{key} (stored {tuple(stored)}, the model's {tuple(wanted)})" for key, stored, wanted in loading["mismatched_keys"]
+        if key.removesuffix(".weight") not in packed
+    )
+    if damaged:
+        raise LmpressError(f"{folder} lacks or misshapes {damaged[0]}; the artifact is damaged: re-create it")
     swap_in_packed_linears(model, packed_weights(folder))
     return model
 
@@ -198,9 +211,10 @@ def validate(folder: Path, out: Path | None = None) -> dict:
         for batch in BATCHES:
             x = torch.randn(batch, weight.columns, generator=generator).to(device, dtype)
             got, expected = kernel.run(x, weight).float(), kernel.reference(x, weight).float()
-            error = (got - expected).abs().max().item()
-            entry["max_abs_error"][str(batch)] = error
-            entry["max_rel_error"][str(batch)] = error / max(expected.abs().max().item(), 1e-12)
+            error, size = (got - expected).abs().max().item(), expected.abs().max().item()
+            finite = math.isfinite(error) and math.isfinite(size)  # a NaN or inf output is a failure, not a number (nor valid JSON)
+            entry["max_abs_error"][str(batch)] = error if finite else None
+            entry["max_rel_error"][str(batch)] = error / max(size, 1e-12) if finite else None
             if gpu:
                 entry.setdefault("speedup_vs_fp16", {})[str(batch)] = (
                     weight_seconds(lambda w: x @ w.T, dense) / weight_seconds(lambda w: kernel.run(x, w), weight)
@@ -217,15 +231,16 @@ def validate(folder: Path, out: Path | None = None) -> dict:
         "gpu_validated": gpu and bool(checked),  # true only where a kernel ran on the GPU
         "checked": scope,
         "kernels": {k.name: {"sources": k.source_hashes()} for k in sorted(used, key=lambda k: k.name)},
-        "max_rel_error": max((max(e["max_rel_error"].values()) for e in checked), default=None),
+        "max_rel_error": worst_error([worst_error(e["max_rel_error"].values()) for e in checked]) if checked else None,
         "tolerance": VALIDATION_TOLERANCE,
         "layers": layers,
     }
     report["passed"] = not validation_failures(report)
     if out is None:  # the artifact's own report vouches for the kernel copies it carries
-        with writing(folder):
-            bundle_kernels(folder)
         out = folder / VALIDATION_FILE
+        with writing(folder):
+            out.unlink(missing_ok=True)  # no old report may vouch for kernels half replaced, should this stop before the new one
+            bundle_kernels(folder)
     write_json(Path(out).expanduser(), report)
     return report
 
@@ -239,16 +254,24 @@ def kernel_sources(entry: dict) -> dict[str, str]:
 def validation_failures(report: dict, folder: Path | None = None) -> list[str]:
     """What is wrong with a validation report: a layer above the tolerance, or (given the
     artifact's folder) a bundled kernel source that is not the one validated."""
-    failures = [
-        f"{name} is off its torch reference by {max(entry['max_rel_error'].values()):.3g} (tolerance {VALIDATION_TOLERANCE:g})"
-        for name, entry in sorted(report.get("layers", {}).items())
-        if entry.get("kernel") and max(entry["max_rel_error"].values()) > VALIDATION_TOLERANCE
-    ]
+    failures = []
+    for name, entry in sorted(report.get("layers", {}).items()):
+        worst = worst_error(entry["max_rel_error"].values()) if entry.get("kernel") else 0.0
+        if worst is None:
+            failures.append(f"{name} gives NaN or inf where its torch reference does not, or both do")
+        elif worst > VALIDATION_TOLERANCE:
+            failures.append(f"{name} is off its torch reference by {worst:.3g} (tolerance {VALIDATION_TOLERANCE:g})")
     for name, kernel in sorted(report.get("kernels", {}).items()) if folder is not None else ():
         for path, sha256 in kernel_sources(kernel).items():
             if not (Path(folder) / path).is_file() or file_sha256(Path(folder) / path) != sha256:
                 failures.append(f"{path} is missing or is not the {name} source that was validated")
     return failures
+
+
+def worst_error(errors) -> float | None:
+    """The largest of a report's errors; None (a failure) where any is None: not finite."""
+    errors = list(errors)
+    return None if any(error is None for error in errors) else max(errors)
 
 
 def bundle_kernels(folder: Path) -> None:

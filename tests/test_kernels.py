@@ -1,6 +1,7 @@
 """Every kernel against its torch reference, in Triton's interpreter, on odd shapes too."""
 
 import json
+import re
 import hashlib
 import os
 
@@ -15,6 +16,7 @@ from compressors.packed_int import _in_code_order32
 import triton  # noqa: E402  (after compressors, which selects Triton's backend)
 import triton.language as tl
 from conftest import refuse_in_process, run_cli, tiny_model
+from pipelines.errors import LmpressError
 
 # The interpreter here; with TRITON_INTERPRET=0 on a CUDA machine the same tests run the
 # compiled kernels (benchmarks/gpu_check.sh).
@@ -176,6 +178,74 @@ def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder
     assert sorted({(e["shape"][0], e["rows_checked"]) for e in fewer["layers"].values()}) == [(32, 32), (64, 40), (96, 40)]
     text = run_cli("generate", out, "Hello", "--max-new-tokens", "3")
     assert text.returncode == 0, text.stderr
+
+
+def test_validation_fails_on_nan_and_damaged_artifacts_are_one_line(tmp_path, tiny_folder, monkeypatch):
+    """A kernel that gives NaN fails validation (NaN compares false with any tolerance, and is
+    no JSON), and `lmpress validate` exits 1 naming it; a failed report write never leaves an
+    old report vouching for kernels it did not check. An lmpress-packed artifact with a dense
+    tensor missing or misshapen, or scales in other groups than its config says, is one line
+    (transformers would initialize the tensor at random; the kernels would decode other weights)."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    from compressors import kernels
+    from pipelines import serving
+    from pipelines.stages import QuantizeConfig, quantize
+
+    out = quantize(str(tiny_folder), None, tmp_path / "q", QuantizeConfig(method="rtn", bits=4, group_size=32, symmetric=False))
+    good = json.loads((out / "validation.json").read_text())
+
+    def wrong(x, weight):  # NaN for a lone token, 3x the product for a batch
+        y = kernels.KERNELS[0].reference(x, weight)
+        return torch.full_like(y, float("nan")) if x.shape[0] == 1 else 3 * y
+
+    monkeypatch.setattr(kernels, "KERNELS", [dataclasses.replace(kernels.KERNELS[0], run=wrong), *kernels.KERNELS[1:]])
+    report = serving.validate(out, tmp_path / "nan.json")
+    assert not report["passed"] and report["max_rel_error"] is None
+    json.loads((tmp_path / "nan.json").read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the report"))
+    failures = serving.validation_failures(report)
+    assert len(failures) == len(report["layers"]) and "gives NaN or inf" in failures[0]
+    entry = next(iter(report["layers"].values()))
+    entry["max_rel_error"]["1"] = 0.0  # what is left is the batches' error
+    assert "off its torch reference by 2" in serving.validation_failures(report)[0]
+    result = refuse_in_process("validate", out, "--out", tmp_path / "cli.json")
+    assert result.returncode == 1 and result.stderr.startswith("error: kernel validation failed: ") and len(result.stderr.splitlines()) == 1
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(serving, "write_json", disk_full)
+    with pytest.raises(OSError):
+        serving.validate(out)
+    assert not (out / "validation.json").exists()  # not the old report beside kernels it did not check
+    monkeypatch.undo()
+    assert serving.validate(out)["passed"]
+
+    tensors = load_file(out / "model.safetensors")
+    for damage, message in (
+        (lambda t: t.pop("model.norm.weight"), "lacks or misshapes model.norm.weight"),
+        (lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:10].clone()}), "model.norm.weight (stored (10,), the model's (64,))"),
+        (lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": t["model.layers.0.mlp.up_proj.weight_scale"][:, :1].clone(),
+                             "model.layers.0.mlp.up_proj.weight_zero_point": t["model.layers.0.mlp.up_proj.weight_zero_point"][:, :1].clone()}),
+         "model.layers.0.mlp.up_proj.weight_scale holds 1 groups a row, not those of 64 inputs in groups of 32"),
+    ):
+        damaged = dict(tensors)
+        damage(damaged)
+        save_file(damaged, out / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(LmpressError, match=re.escape(message)):
+            serving.load_for_serving(str(out))
+
+
+def test_packed_linear_answers_in_the_inputs_dtype_and_a_wrong_width_is_refused():
+    weight = random_packed(4, 24, 64, 32)
+    layer = PackedLinear(weight, torch.nn.Parameter(torch.randn(24)))  # an fp32 bias, as a checkpoint stores it
+    x = torch.randn(3, 64, dtype=torch.float16)
+    assert layer(x).dtype == torch.float16  # as nn.Linear's output: the bias does not promote it
+    for width in (63, 65):  # the kernels would stop short of the weight's inputs or read past them
+        with pytest.raises(LmpressError, match=f"x has {width} inputs; the weight takes 64"):
+            matmul_triton(torch.randn(2, width), weight)
 
 
 def test_validate_refuses_a_dense_model(tiny_folder):
