@@ -246,7 +246,10 @@ def test_a_draft_is_not_silently_paired_with_a_changed_target(tmp_path, tiny_tar
 def test_distilled_draft_is_accepted_more_on_held_out_prompts(tmp_path, real_model_folder):
     """SmolLM2-135M with a 4-layer draft: a short distillation on the target's own continuations
     raises the tokens per target forward on held-out prompts, and speculative decoding returns
-    exactly the target's greedy output (benchmarks/draft_quality.py has the full numbers)."""
+    exactly the target's greedy output (benchmarks/draft_quality.py has the full numbers).
+    Measured here: 1.016 -> 1.255 (acceptance 0.005 -> 0.072); 80 steps give no more on these
+    16 x 32 tokens. Before pydoc-calib lost the paragraphs it shared with the held-out topics,
+    the same test gave 1.333, and its margin was 0.3."""
     from pipelines.stages import CalibrateConfig, calibrate
 
     calibration = calibrate(str(real_model_folder), tmp_path / "calib", CalibrateConfig(samples=16, seq_len=64, batch_size=8))
@@ -258,4 +261,4 @@ def test_distilled_draft_is_accepted_more_on_held_out_prompts(tmp_path, real_mod
         measured[steps] = evaluate_draft(str(out), str(real_model_folder), None, evaluation)["lookahead"]["4"]
         assert measured[steps]["identical_output"]
     print(measured)
-    assert measured[40]["tokens_per_target_forward"] > measured[0]["tokens_per_target_forward"] + 0.3, measured
+    assert measured[40]["tokens_per_target_forward"] > measured[0]["tokens_per_target_forward"] + 0.15, measured
