@@ -27,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from pipelines.errors import LmpressError, require
+from pipelines.errors import LmpressError, reason, require
 
 LINEAGE_FILE = "lineage.json"
 LINEAGE_FORMAT = "lmpress-lineage/1"
@@ -407,8 +407,7 @@ class ResumeFolder:
         try:
             return reader(path)
         except (SafetensorError, OSError, ValueError, KeyError, TypeError) as error:  # JSON errors are ValueErrors
-            reason = " ".join(str(error).split())[:120] or type(error).__name__
-            sys.stderr.write(f"warning: saved progress {path} is damaged ({reason}); starting that part over\n")
+            sys.stderr.write(f"warning: saved progress {path} is damaged ({reason(error, 120)}); starting that part over\n")
             path.unlink()
             return None
 

@@ -15,3 +15,8 @@ class LmpressError(Exception):
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise LmpressError(message)
+
+
+def reason(error: BaseException, limit: int = 200) -> str:
+    """A library's exception as the short reason inside a one-line message."""
+    return " ".join(str(error).split())[:limit] or type(error).__name__

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipelines.errors import LmpressError, require
+from pipelines.errors import LmpressError, reason, require
 
 
 def cache_root() -> Path:
@@ -301,8 +301,7 @@ def read_config(folder: Path):
     try:
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except (ValueError, KeyError, TypeError, AttributeError, OSError, StrictDataclassError) as error:
-        reason = " ".join(str(error).split())[:300]
-        raise LmpressError(f"{folder}/config.json cannot be read as a transformers config ({reason}); restore the model's own config.json") from error
+        raise LmpressError(f"{folder}/config.json cannot be read as a transformers config ({reason(error, 300)}); restore the model's own config.json") from error
 
 
 def load_config(folder: Path):
@@ -398,8 +397,7 @@ def load_tokenizer(folder: Path):
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as error:  # the tokenizers library's Rust core raises plain Exception for a bad file
-        reason = " ".join(str(error).split())[:200] or type(error).__name__
-        raise LmpressError(f"the tokenizer in {folder} does not load ({reason}); copy the base model's tokenizer files there") from error
+        raise LmpressError(f"the tokenizer in {folder} does not load ({reason(error)}); copy the base model's tokenizer files there") from error
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -72,10 +72,11 @@ def packed_weights(folder: Path) -> dict:
         require(f"{name}.weight_zero_point" not in handles, f"{name} has packed zero points; lmpress serves those from its own format only")
         grid, packed, columns = _grid_of(name, settings, folder), tensor(key), int(tensor(f"{name}.weight_shape")[1])
         bits, scale = grid["num_bits"], tensor(f"{name}.weight_scale").half()
+        words = -(-columns * bits // 32)  # a row's codes, packed densely into int32 words
         require(
-            packed.shape[1] == -(-columns * bits // 32),
-            f"{key} holds {packed.shape[1]} words a row, not the {-(-columns * bits // 32)} of {columns} {bits}-bit codes its config "
-            "group gives it; restore the artifact's own config.json",
+            packed.shape[1] == words,
+            f"{key} holds {packed.shape[1]} words a row, not the {words} of {columns} {bits}-bit codes its config group gives it; "
+            "restore the artifact's own config.json",
         )
         require_groups(f"{name}.weight_scale", scale, columns, grid.get("group_size") if grid.get("strategy") == "group" else None)
         weights[name] = PackedWeight(packed, scale, bits, columns)

@@ -533,20 +533,13 @@ def planned_linears(model, skip: str, overrides: dict, default):
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]  # lm_head too: never compressed, skipping it is no mistake
     unskipped = {pattern.pattern for pattern in skips if not any(pattern.search(name) for name in linears)}
     require(not unskipped, f"--skip '{min(unskipped, default='')}' matches no linear of this model ({example}); fix the regex")
-    unmatched = [regex.pattern for regex, _ in regexes if regex.pattern not in matched]
-    require(
-        not unmatched,
-        f"override '{min(unmatched, default='')}' matches no linear of this model ({example} and must match whole); "
-        "fix the regex, or use a plan made for this model",
-    )
-    skipped = [regex.pattern for regex, _ in regexes if regex.pattern not in kept]
-    require(not skipped, f"override '{next(iter(skipped), '')}' never applies: --skip leaves every linear it matches dense; drop one of the two")
-    shadowed = [regex.pattern for regex, _ in regexes if regex.pattern not in applied]
-    require(
-        not shadowed,
-        f"override '{next(iter(shadowed), '')}' never applies: an earlier override matches every linear it does (the first match wins); "
-        "move it above the broader one or narrow that one",
-    )
+    for reached, why in (  # the earliest reason an override is idle, checked in this order
+        (matched, f"matches no linear of this model ({example} and must match whole); fix the regex, or use a plan made for this model"),
+        (kept, "never applies: --skip leaves every linear it matches dense; drop one of the two"),
+        (applied, "never applies: an earlier override matches every linear it does (the first match wins); move it above the broader one or narrow that one"),
+    ):
+        idle = [regex.pattern for regex, _ in regexes if regex.pattern not in reached]
+        require(not idle, f"override '{min(idle, default='')}' {why}")
 
 
 def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[str, "GridSpec"]:
