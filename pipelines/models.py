@@ -383,10 +383,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def check_tokenizer_files(folder: Path) -> None:
     """The folder has a tokenizer and it loads: a stage that loads the tokenizer only at its end
     (to write it beside the output) must not fail there after all its work."""
-    require(
-        any((folder / name).is_file() for name in TOKENIZER_FILES),
-        f"{folder} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the base model's tokenizer files there",
-    )
     load_tokenizer(folder)  # about 0.1 s for SmolLM2's; dropped here, loaded again where it is used
 
 
@@ -394,6 +390,10 @@ def load_tokenizer(folder: Path):
     """The folder's tokenizer, or a one-line error naming why it does not load."""
     from transformers import AutoTokenizer
 
+    require(
+        any((folder / name).is_file() for name in TOKENIZER_FILES),
+        f"{folder} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy the base model's tokenizer files there",
+    )
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as error:  # the tokenizers library's Rust core raises plain Exception for a bad file

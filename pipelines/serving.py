@@ -12,7 +12,7 @@ import torch
 
 from pipelines.artifact import file_sha256, read_safetensors, require_output_path, write_json, writing
 from pipelines.errors import LmpressError, require
-from pipelines.models import LoadedModel, check_weight_files, config_json, load_model, weight_files
+from pipelines.models import LoadedModel, check_weight_files, config_json, load_config, load_model, load_tokenizer, resolve_model, weight_files
 
 VALIDATION_FILE = "validation.json"
 BATCHES = (1, 16, 64)
@@ -291,8 +291,6 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
     weights): a mismatch is an error, or with `allow_other_target` a warning."""
     from compressors.draft import trim_lm_head
     from pipelines.artifact import model_chain, model_identity, read_lineage
-    from pipelines.errors import LmpressError
-    from pipelines.models import resolve_model
     from pipelines.progress import stderr
     from pipelines.stages import VOCAB_TRIM_FILE, check_draft_fits
 
@@ -395,14 +393,18 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
     lookahead = 4 if lookahead is None else lookahead
     require(lookahead > 0, f"--lookahead must be positive (got {lookahead}); pass e.g. --lookahead 4")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded = load_for_serving(spec, device)
-    inputs = loaded.tokenizer(prompt, return_tensors="pt").to(device)
-    context, length = getattr(loaded.config, "max_position_embeddings", None), inputs["input_ids"].shape[1]
+    # The prompt is checked against the context from the config and tokenizer alone, before the
+    # weights load: a too-long request is told so at once, not after a load and its progress bars.
+    folder = resolve_model(spec)
+    tokenizer = load_tokenizer(folder)
+    inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    context, length = getattr(load_config(folder), "max_position_embeddings", None), inputs["input_ids"].shape[1]
     require(
         context is None or length + max_new_tokens <= context,
         f"the prompt's {length} tokens and --max-new-tokens {max_new_tokens} exceed the model's context of {context} tokens; "
         f"pass --max-new-tokens {context - length} or less" if length < context else f"shorten the prompt below {context} tokens",
     )
+    loaded = load_for_serving(spec, device)
     eos = loaded.model.generation_config.eos_token_id
     if draft is None:
         output, _ = greedy_decode(loaded.model, inputs["input_ids"], max_new_tokens, eos, cuda_graph=cuda_graphs and device == "cuda")
@@ -417,4 +419,4 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
             f"({result.tokens_per_target_forward:.2f} per forward), {result.accepted}/{result.proposed} proposals accepted",
             markup=False, highlight=False,
         )
-    return loaded.tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    return tokenizer.decode(output[0, length:], skip_special_tokens=True)

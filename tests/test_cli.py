@@ -195,6 +195,19 @@ def test_evaluate_generate_and_validate_refuse_bad_paths_and_values(tmp_path):
     assert list(tmp_path.glob(".*partial*")) == []
 
 
+def test_generate_refuses_a_request_beyond_the_context_before_loading_the_weights(monkeypatch):
+    """The prompt and --max-new-tokens are checked from the config and tokenizer alone: the
+    error comes at once, not after a load (a packed artifact's decompression bars)."""
+    from pipelines import serving
+
+    def load_for_serving(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the request was checked")
+
+    monkeypatch.setattr(serving, "load_for_serving", load_for_serving)
+    assert_user_error(refuse_in_process("generate", REAL_MODEL, "Hi", "--max-new-tokens", "8192"),
+                      "the prompt's 1 tokens and --max-new-tokens 8192 exceed the model's context of 8192 tokens; pass --max-new-tokens 8191 or less")
+
+
 def test_damaged_model_files_are_one_line_and_reports_never_overwrite_them(tmp_path):
     """Weights that are a Git LFS pointer, an HTML page or cut short, and a config.json that is
     not an object, fail before loading; `validate --out` never overwrites the artifact's files."""
