@@ -107,10 +107,10 @@ def _pydoc(held_out: bool) -> list[Document]:
     if held_out:
         return [Document(f"pydoc/{name}", topics[name]) for name in held]
     held_text = " ".join(" ".join(topics[name].split()) for name in held)
-    held_runs = _word_runs(held_text)
+    held_runs = set(_runs(held_text))
 
     def shared(paragraph: str) -> bool:  # word for word in the held-out text, or a long run of it
-        return " ".join(paragraph.split()) in held_text or bool(_word_runs(paragraph) & held_runs)
+        return " ".join(paragraph.split()) in held_text or any(run in held_runs for run in _runs(paragraph))
 
     documents = []
     for name in (name for name in names if name not in held):
@@ -120,9 +120,22 @@ def _pydoc(held_out: bool) -> list[Document]:
     return documents
 
 
-def _word_runs(text: str) -> set[tuple[str, ...]]:
+def _runs(text: str):
+    """Every run of SHARED_RUN_WORDS consecutive words (split on whitespace: line breaks and
+    spacing do not hide a copy)."""
     words = text.split()
-    return {tuple(words[i : i + SHARED_RUN_WORDS]) for i in range(len(words) - SHARED_RUN_WORDS + 1)}
+    return (tuple(words[i : i + SHARED_RUN_WORDS]) for i in range(len(words) - SHARED_RUN_WORDS + 1))
+
+
+def shared_text(documents: list[Document], others: list[Document]) -> set[tuple[str, str]]:
+    """(id in `documents`, id in `others`) of every pair of documents that share a run of
+    SHARED_RUN_WORDS words. The runs of `documents` are held in memory and those of `others`
+    streamed past them, so `documents` should be the smaller side."""
+    owner: dict[tuple[str, ...], str] = {}
+    for document in documents:
+        for run in _runs(document.text):
+            owner.setdefault(run, document.id)
+    return {(owner[run], other.id) for other in others for run in _runs(other.text) if run in owner}
 
 
 NAMED_CORPORA = {
@@ -250,4 +263,33 @@ def check_disjoint(calibration_documents: list[str], evaluation_documents: list[
         not overlap,
         f"evaluation corpus '{corpus}' overlaps the calibration text ({', '.join(overlap[:3])}); evaluate on held-out "
         "text such as austen-heldout or pydoc-heldout",
+    )
+
+
+# Ids prove the named parts disjoint, but a user's file carries only its own hash: the two
+# checks below compare text wherever a user file meets a named part, on either side.
+
+
+def held_out_text_in(spec: str) -> list[str]:
+    """The named held-out documents whose text a user file of calibration `spec` repeats
+    (recorded with the calibration, so evaluating on them is refused as for a shared id)."""
+    files = [document for part in corpus_parts(spec) if part not in NAMED_CORPORA for document in load_corpus_part(part)]
+    if not files:
+        return []
+    held_out = [document for part in NAMED_CORPORA if part.endswith("-heldout") for document in NAMED_CORPORA[part]()]
+    return sorted({held_id for held_id, _ in shared_text(held_out, files)})
+
+
+def check_text_disjoint(calibration_specs: list[str], calibration_documents: list[str], corpus: str) -> None:
+    """A user file evaluated on repeats none of the named calibration documents' text."""
+    if corpus in NAMED_CORPORA:  # a named held-out part: disjoint from the named calibration parts by construction
+        return
+    used = set(calibration_documents)
+    named = sorted({part for spec in calibration_specs for part in corpus_parts(spec) if part in NAMED_CORPORA})
+    calibration = [document for part in named for document in NAMED_CORPORA[part]() if document.id in used]
+    shared = sorted({calibration_id for _, calibration_id in shared_text(load_corpus_part(corpus), calibration)})
+    require(
+        not shared,
+        f"evaluation corpus '{corpus}' repeats calibration text ({', '.join(shared[:3])}); evaluate on text the calibration "
+        "did not see, such as austen-heldout or pydoc-heldout",
     )

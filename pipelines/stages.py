@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from calibrate.corpora import check_disjoint, leading_windows, sample_windows, tokenize_part
+from calibrate.corpora import check_disjoint, check_text_disjoint, held_out_text_in, leading_windows, sample_windows, tokenize_part
 from calibrate.runner import LayerRunner, release_free_memory
 from calibrate.stats import BLOCK_INFLUENCE, CALIBRATION_FORMAT, LayerStatisticsCollector
 from compressors.structured import BlockInfluence, keep_layers
@@ -37,7 +37,7 @@ from pipelines.evaluation import LMHead, score_windows, size_metrics
 from pipelines.models import (
     architecture_of, decoder_layers, head_dim_of, is_quantized, layer_linears, load_config, load_model, map_weights, release_weights, resolve_model,
 )
-from pipelines.progress import progress_bar
+from pipelines.progress import progress_bar, stderr
 
 
 def require_positive(**values: int) -> None:
@@ -46,6 +46,8 @@ def require_positive(**values: int) -> None:
 
 
 # --------------------------------------------------------------------------- calibrate
+
+HELD_OUT_REPEATED = "held_out_repeated"  # the calibration record's named held-out documents that a user file repeats
 
 
 @dataclass
@@ -65,6 +67,12 @@ def calibrate(model: str, out: Path, config: CalibrateConfig) -> Path:
     config.validate()
     require_output_path(out, directory=True, inputs=(model,))
     run = StageRun()
+    repeated = held_out_text_in(config.corpus)  # before the model loads: a user file's copies are held in memory
+    if repeated:
+        stderr.print(
+            f"warning: the calibration text repeats held-out text ({', '.join(repeated[:3])}); evaluating on it will be "
+            "refused, so evaluate on other text", markup=False, highlight=False,
+        )
     loaded = load_model(model)
     samples = sample_windows(config.corpus, loaded.tokenizer, config.samples, config.seq_len, config.seed)
     with atomic_directory(out) as tmp, progress_bar("calibrate: layers", loaded.config.num_hidden_layers) as advance:
@@ -88,6 +96,7 @@ def calibrate(model: str, out: Path, config: CalibrateConfig) -> Path:
             "data_sha256": samples.data_hash(),
             "sample_ids": samples.sample_ids,
             "documents": samples.documents,
+            **({HELD_OUT_REPEATED: repeated} if repeated else {}),
         }
         write_json(
             tmp / "manifest.json",
@@ -216,8 +225,11 @@ def held_out_windows(corpus: str, tokenizer, chain: list[dict], windows: int, se
     document with the calibration data of any stage in `chain`; `options` name the two
     settings in the error for too little text."""
     part = tokenize_part(corpus, tokenizer)
-    calibration_documents = [doc for record in chain for doc in record.get("calibration", {}).get("documents", [])]
-    check_disjoint(calibration_documents, part.documents, corpus)
+    calibrations = [record["calibration"] for record in chain if "calibration" in record]
+    calibration_documents = [doc for calibration in calibrations for doc in calibration.get("documents", [])]
+    check_disjoint(calibration_documents + [doc for calibration in calibrations for doc in calibration.get(HELD_OUT_REPEATED, [])],
+                   part.documents, corpus)
+    check_text_disjoint([calibration["corpus"] for calibration in calibrations], calibration_documents, corpus)
     return leading_windows(part, windows, seq_len, options), part.documents
 
 
@@ -345,7 +357,7 @@ def calibration_record(calib) -> dict:
     return {
         "seed": calib.manifest["seed"],
         "calibration": {
-            **{key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents")},
+            **{key: calib.manifest[key] for key in ("corpus", "data_sha256", "sample_ids", "documents", HELD_OUT_REPEATED) if key in calib.manifest},
             "tokens_per_sample": calib.manifest["seq_len"],
         },
     }

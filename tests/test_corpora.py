@@ -69,6 +69,34 @@ def test_user_txt_and_jsonl_files(tmp_path):
         load_corpus_part(str(tmp_path / "bad.jsonl"))
 
 
+def test_user_files_that_repeat_the_other_sides_text_are_caught_by_their_text(tmp_path, tiny_folder, real_tokenizer):
+    """Ids prove the named parts disjoint, but a user's file carries only its own hash: a
+    calibration file that copies a page of Pride and Prejudice, or an evaluation file that copies
+    one of Emma, is found by a shared run of words, whatever its line breaks."""
+    from pipelines.artifact import read_lineage
+    from pipelines.stages import CalibrateConfig, calibrate, held_out_windows
+
+    def page(corpus: str, document: str) -> str:
+        text = next(d.text for d in load_corpus_part(corpus) if d.id == document)
+        return "\n".join(text[len(text) // 2 :].split()[:300])  # re-wrapped: one word per line
+
+    (tmp_path / "notes.txt").write_text("My own notes on novels.\n\n" + page("austen-heldout", "austen/prideprejudice"))
+    (tmp_path / "quiz.txt").write_text("A quiz.\n\n" + page("austen-calib", "austen/emma"))
+    (tmp_path / "fresh.txt").write_text(" ".join(f"line {i} of a text nobody calibrated on." for i in range(100)))
+    calibration_spec = f"{tmp_path / 'notes.txt'}+austen-calib"
+    assert corpora.held_out_text_in(calibration_spec) == ["austen/prideprejudice"]
+    assert corpora.held_out_text_in(f"{tmp_path / 'fresh.txt'}+austen-calib") == []
+
+    calibrate(str(tiny_folder), tmp_path / "cal", CalibrateConfig(corpus=calibration_spec, samples=2, seq_len=32, batch_size=2))
+    chain = read_lineage(tmp_path / "cal")["chain"]
+    with pytest.raises(LmpressError, match=r"evaluation corpus 'austen-heldout' overlaps the calibration text \(austen/prideprejudice\)"):
+        held_out_windows("austen-heldout", real_tokenizer, chain, 1, 32)
+    with pytest.raises(LmpressError, match=r"quiz.txt' repeats calibration text \(austen/emma\); evaluate on text the calibration did not see"):
+        held_out_windows(str(tmp_path / "quiz.txt"), real_tokenizer, chain, 1, 32)
+    for corpus in ("pydoc-heldout", str(tmp_path / "fresh.txt")):
+        assert held_out_windows(corpus, real_tokenizer, chain, 1, 32)[0].shape == (1, 32)
+
+
 def test_unknown_corpus_and_empty_spec():
     with pytest.raises(LmpressError, match="unknown corpus 'novels'; use one of austen-calib"):
         load_corpus_part("novels")
