@@ -46,7 +46,7 @@ def mlp_channel_scores(mlp: nn.Module, down_stats, scorer: str) -> torch.Tensor:
 def head_group_scores(attention: nn.Module, o_stats, config, scorer: str) -> torch.Tensor:
     """One score per KV head: the sum over the o_proj input channels of its query group (for
     magnitude, the norm of every q/k/v row and o column the group owns)."""
-    groups, head_dim = config.num_key_value_heads, head_dim_of(config)
+    groups = config.num_key_value_heads
     if scorer == "magnitude":
         per_group = lambda t: t.reshape(groups, -1).sum(dim=1)  # noqa: E731
         squares = (

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from calibrate.corpora import check_disjoint, check_text_disjoint, held_out_text_in, leading_windows, sample_windows, tokenize_part
 from calibrate.runner import LayerRunner, release_free_memory
 from calibrate.stats import BLOCK_INFLUENCE, CALIBRATION_FORMAT, LayerStatisticsCollector
+from compressors.grid import GridSpec
 from compressors.structured import BlockInfluence, keep_layers
 from pipelines.artifact import (
     StageRun,
@@ -471,9 +472,7 @@ class QuantizeConfig:
             if getattr(self, setting) is None:
                 setattr(self, setting, value)
 
-    def default_grid(self):
-        from compressors.grid import GridSpec
-
+    def default_grid(self) -> GridSpec:
         return GridSpec(self.bits, self.group_size, self.symmetric)
 
 
@@ -554,11 +553,9 @@ def planned_linears(model, skip: str, overrides: dict, default):
         require(not idle, f"override '{min(idle, default='')}' {why}")
 
 
-def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[str, "GridSpec"]:
+def quantization_plan(model, config: QuantizeConfig, overrides: dict) -> dict[str, GridSpec]:
     """Full linear name -> grid: the default, then overrides (first matching regex wins),
     minus skipped linears; every grid checked against its linear's input width."""
-    from compressors.grid import GridSpec
-
     plan = {}
     for name, module, settings in planned_linears(model, config.skip, overrides, {}):
         require(
@@ -763,8 +760,6 @@ class PruneConfig:
     def grid(self, settings: dict | None = None):
         """The grid of the kept weights: the config's, or a plan entry's {bits, group_size,
         symmetric} over it; None where nothing is quantized."""
-        from compressors.grid import GridSpec
-
         settings = {"bits": self.bits, "group_size": self.group_size, "symmetric": self.symmetric, **(settings or {})}
         return GridSpec(settings["bits"], settings["group_size"], settings["symmetric"]) if settings["bits"] else None
 
