@@ -223,14 +223,14 @@ def number_list(text: str, kind, option: str) -> list:
 def held_out_windows(corpus: str, tokenizer, chain: list[dict], windows: int, seq_len: int,
                      options: tuple[str, str] = ("--windows", "--seq-len")) -> tuple[torch.Tensor, list[str]]:
     """The first `windows` windows of held-out `corpus` and its documents, checked to share no
-    document with the calibration data of any stage in `chain`; `options` name the two
-    settings in the error for too little text."""
+    document, and where a user file is involved no text, with the calibration data of any stage
+    in `chain`; `options` name the two settings in the error for too little text."""
     part = tokenize_part(corpus, tokenizer)
     calibrations = [record["calibration"] for record in chain if "calibration" in record]
     calibration_documents = [doc for calibration in calibrations for doc in calibration.get("documents", [])]
     check_disjoint(calibration_documents + [doc for calibration in calibrations for doc in calibration.get(HELD_OUT_REPEATED, [])],
                    part.documents, corpus)
-    check_text_disjoint([calibration["corpus"] for calibration in calibrations], calibration_documents, corpus)
+    check_text_disjoint([calibration["corpus"] for calibration in calibrations if "corpus" in calibration], calibration_documents, corpus)
     return leading_windows(part, windows, seq_len, options), part.documents
 
 
