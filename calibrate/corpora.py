@@ -282,10 +282,10 @@ def held_out_text_in(spec: str) -> list[str]:
 
 def check_text_disjoint(calibration_specs: list[str], calibration_documents: list[str], corpus: str) -> None:
     """A user file evaluated on repeats none of the named calibration documents' text."""
-    if corpus in NAMED_CORPORA:  # a named held-out part: disjoint from the named calibration parts by construction
+    named = sorted({part for spec in calibration_specs for part in corpus_parts(spec) if part in NAMED_CORPORA})
+    if corpus in NAMED_CORPORA or not named:  # named held-out and calibration parts are disjoint by construction
         return
     used = set(calibration_documents)
-    named = sorted({part for spec in calibration_specs for part in corpus_parts(spec) if part in NAMED_CORPORA})
     calibration = [document for part in named for document in NAMED_CORPORA[part]() if document.id in used]
     shared = sorted({calibration_id for _, calibration_id in shared_text(load_corpus_part(corpus), calibration)})
     require(
