@@ -36,6 +36,14 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
     return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
 
+def fit_group_grid(w: torch.Tensor, sigma: torch.Tensor, spec: GridSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of one group w [rows, width] fitted as the sweep reaches it, its range clipped
+    per row by AWQ's search on the group's block of the Hessian, `sigma` [width, width]."""
+    from compressors.awq import clip_ratios
+
+    return fit_grid(w, spec, clip_ratios(w, sigma, GridSpec(spec.bits, -1, spec.symmetric)))  # -1: the whole group as one
+
+
 def error_feedback_sweep(
     W: torch.Tensor,
     Hinv: torch.Tensor,
@@ -86,8 +94,9 @@ def gptq_quantize(
     With `act_order` columns are processed by decreasing Hessian diagonal (most salient first);
     groups still cover consecutive *original* columns, so their grids are fitted up front on
     the unquantized weight ("static groups") and the stored layout stays the plain one. With
-    `clip_search` (static groups only) each group's range is first clipped by the ratio whose
-    rounding loses the least output error, AWQ's clip search (compressors/awq.py)."""
+    `clip_search` each group's range is first clipped by the ratio whose rounding loses the
+    least output error, AWQ's clip search (compressors/awq.py): for static groups all at once
+    on the unquantized weight, otherwise as each group comes up (`fit_group_grid`)."""
     W, H = prepared(weight, hessian)
     rows, columns = W.shape
     width = spec.group_width(columns)
@@ -127,7 +136,8 @@ def gptq_quantize(
     def settle(block, i, position):
         g = group_at[position]
         if not static and starts_group[position]:
-            grid = fit_grid(block[:, i : i + width], spec)
+            w, sigma = block[:, i : i + width], H[position : position + width, position : position + width]
+            grid = fit_group_grid(w, sigma, spec) if clip_search else fit_grid(w, spec)
             scale[g], zero[g] = (t[:, 0] for t in grid)
         codes[position] = round_column(block[:, i], g)
         return value(codes[position], g)

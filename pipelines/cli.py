@@ -91,8 +91,8 @@ def evaluate(
 def clip_search_option(method: str):
     """--clip-search, as quantize, prune and levels take it (None: the stage's default)."""
     return typer.Option(
-        None, "--clip-search", show_default=f"true for {method} with --act-order true",
-        help=f"{method} with --act-order true (static groups): clip each GPTQ group's range by the ratio that loses the least output error (AWQ's search) before the sweep.",
+        None, "--clip-search", show_default=f"true for {method}",
+        help=f"{method}: clip each group's range by the ratio that loses the least output error (AWQ's search) as its grid is fitted.",
     )
 
 
@@ -162,7 +162,7 @@ def prune(
     group_size: int = typer.Option(64, "--group-size", help="With --bits: input columns sharing one scale (32, 64, 128 or -1)."),
     symmetric: Switch = typer.Option(Switch.true, help="With --bits: symmetric grid (zero point 0)."),
     act_order: Switch = typer.Option(Switch.true, "--act-order", help="sparsegpt: GPTQ's column order for linears a plan leaves dense (pattern 0) but quantizes."),
-    clip_search: Optional[Switch] = clip_search_option("sparsegpt (linears a plan leaves dense but quantizes)"),
+    clip_search: Optional[Switch] = clip_search_option("sparsegpt"),
     damp: float = typer.Option(0.01, help="sparsegpt: dampening added to the Hessian diagonal, as a fraction of its mean."),
     sequential: Switch = typer.Option(
         Switch.true, help="Re-collect each layer's statistics on the already-pruned model (slower, better) instead of using the stored ones.",

@@ -47,7 +47,7 @@ from pipelines.stages import (
 )
 
 LEVELS_FORMAT = "lmpress-levels"
-LEVELS_VERSION = 2  # 2: group sizes and 2:4 levels, costs in stored bits
+LEVELS_VERSION = 3  # 2: group sizes and 2:4 levels, costs in stored bits; 3: 2:4 levels clip-searched too
 LEVELS_METHODS = ("gptq", "rtn")
 PLAN_FILE = "plan.yaml"
 SEARCH_REPORT = "search.json"
@@ -81,7 +81,7 @@ class LevelsConfig:
     group_size: str = "64"  # group sizes, each combined with every bit-width (-1: per channel)
     method: str = "gptq"  # gptq | rtn, symmetric grids, from the stored statistics
     act_order: bool | None = None  # GPTQ's column order (None: on for gptq; rtn has no column order, so true is refused)
-    clip_search: bool | None = None  # GPTQ's static groups clipped as quantize's are (None: on where it applies)
+    clip_search: bool | None = None  # gptq: grids clipped as quantize's are, 2:4 levels' as prune's (None: on where it applies)
     damp: float = 0.01
     sparse24: bool = False  # each bits level also as 2:4 sparse + quantized (SparseGPT, jointly)
     sparsity: str = ""  # unstructured sparsity levels (Wanda), e.g. "0.4,0.5,0.6,0.7,0.8"; "" for none
@@ -115,7 +115,7 @@ class LevelsConfig:
         require(self.method in LEVELS_METHODS, f"unknown method '{self.method}'; the level database takes {' or '.join(LEVELS_METHODS)}")
         self.act_order = resolve_where_it_applies(self.act_order, self.method == "gptq",
                                                   "--act-order orders GPTQ's columns: use it with --method gptq, or pass --act-order false")
-        self.clip_search = resolve_clip_search(self.clip_search, self.method == "gptq" and self.act_order, "--method gptq --act-order true")
+        self.clip_search = resolve_clip_search(self.clip_search, self.method == "gptq", "--method gptq")
         for bits in self.bit_levels:
             for group_size in self.group_sizes:
                 GridSpec(bits, group_size)
@@ -158,7 +158,8 @@ def level_database(model: str, calibration: Path | None, out: Path, config: Leve
                     bits, group_size, sparse24 = parse_quantized_level(level)
                     grid, entry = GridSpec(bits, group_size), {}
                     if sparse24:
-                        pruned = sparsegpt_prune(weight, stats[local].second_moment, parse_pattern("2:4"), config.damp, grid=grid)
+                        pruned = sparsegpt_prune(weight, stats[local].second_moment, parse_pattern("2:4"), config.damp, grid=grid,
+                                                 clip_search=config.clip_search)
                         q, entry[f"{name}.keep"] = pruned.quantized, pack_bitmask(pruned.keep)
                     elif config.method == "gptq":
                         q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order, clip_search=config.clip_search)
@@ -190,11 +191,14 @@ class LevelDatabase:
         self.folder = Path(folder)
         require(self.folder.is_dir(), f"level database {self.folder} does not exist; build it with `lmpress levels`")
         self.manifest = read_json(self.folder / "manifest.json", "rebuild it with `lmpress levels`")
+        params = {"clip_search": False, **self.manifest.get("params", {})}  # databases from before clip search: min-max
+        version = self.manifest.get("version")
+        readable = version == LEVELS_VERSION or (version == 2 and not (params.get("sparse24") and params["clip_search"]))  # 2's 2:4 levels: min-max
         require(
-            self.manifest.get("format") == LEVELS_FORMAT and self.manifest.get("version") == LEVELS_VERSION,
+            self.manifest.get("format") == LEVELS_FORMAT and readable,
             f"{self.folder} is not an lmpress level database of version {LEVELS_VERSION}; rebuild it with `lmpress levels`",
         )
-        self.config = LevelsConfig(**{"clip_search": False, **self.manifest["params"]})  # databases from before clip search: min-max
+        self.config = LevelsConfig(**params)
         self._cache: dict[str, dict[str, torch.Tensor]] = {}
 
     def check_model(self, chain: list[dict]) -> None:

@@ -402,9 +402,9 @@ def resolve_where_it_applies(value: bool | None, applies: bool, refusal: str) ->
     return applies if value is None else value
 
 
-def resolve_clip_search(clip_search: bool | None, static_groups: bool, needs: str) -> bool:
-    """--clip-search: on wherever GPTQ has static groups, the only grids it fits."""
-    return resolve_where_it_applies(clip_search, static_groups, f"--clip-search fits GPTQ's static groups: use it with {needs}, or pass --clip-search false")
+def resolve_clip_search(clip_search: bool | None, fits_grids: bool, needs: str) -> bool:
+    """--clip-search: on wherever GPTQ or SparseGPT fit the grids (RTN's and AWQ's are their own)."""
+    return resolve_where_it_applies(clip_search, fits_grids, f"--clip-search clips the grids GPTQ and SparseGPT fit: use it with {needs}, or pass --clip-search false")
 
 
 @dataclass
@@ -415,7 +415,7 @@ class QuantizeConfig:
     symmetric: bool = True
     act_order: bool | None = None  # GPTQ's column order; None: on where it applies (ACT_ORDER_METHODS)
     damp: float = 0.01
-    clip_search: bool | None = None  # gptq with static groups (act_order): fit each group's grid with AWQ's output-error clip search; None: on where it applies
+    clip_search: bool | None = None  # gptq: clip each group's grid by AWQ's output-error search; None: on where it applies
     sequential: bool = True
     true_sequential: bool | None = None  # sequential gptq / squeezellm: each group of linears sees the groups before it compressed; None: on where it applies
     forward_dtype: str = "auto"  # auto | float32 | bfloat16: the layers' dtype in the sequential passes (auto: resolve_forward_dtype)
@@ -431,7 +431,7 @@ class QuantizeConfig:
             self.act_order, self.method in ACT_ORDER_METHODS,
             f"--act-order orders GPTQ's columns: use it with --method {' or '.join(ACT_ORDER_METHODS)}, or pass --act-order false",
         )
-        self.clip_search = resolve_clip_search(self.clip_search, self.method == "gptq" and self.act_order, "--method gptq --act-order true")
+        self.clip_search = resolve_clip_search(self.clip_search, self.method == "gptq", "--method gptq")
         if self.method in CODEBOOK_METHODS:
             from compressors.squeezellm import check_bits
 
@@ -644,7 +644,8 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
                 if keep is None:  # linears reading one input (one Hessian tensor) on one grid run as one sweep
                     together.setdefault((id(stats[local].second_moment), grid), []).append(local)
                 else:  # GPTQ whose error feedback leaves the pruned weights at zero (SparseGPT with its mask fixed)
-                    results[local] = sparsegpt_prune(weight, stats[local].second_moment, None, config.damp, grid=grid, keep=keep).quantized
+                    results[local] = sparsegpt_prune(weight, stats[local].second_moment, None, config.damp, grid=grid, keep=keep,
+                                                     clip_search=config.clip_search).quantized
             for (_, grid), members in together.items():
                 weights = [layer.get_submodule(local).weight.data for local in members]
                 quantized = gptq_quantize_together(weights, stats[members[0]].second_moment, grid, config.damp, config.act_order, config.clip_search)
@@ -731,7 +732,7 @@ class PruneConfig:
     group_size: int = 64
     symmetric: bool = True
     act_order: bool = True  # GPTQ's column order, for linears a plan leaves dense but quantized
-    clip_search: bool | None = None  # those linears' static groups clipped as quantize's are; None: on where it applies
+    clip_search: bool | None = None  # sparsegpt: every grid it fits (pruned or dense) clipped as quantize's are; None: on where it applies
     damp: float = 0.01
     sequential: bool = True
     forward_dtype: str = "auto"
@@ -747,7 +748,7 @@ class PruneConfig:
         require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
         require(self.refine_cycles >= 0, f"refine cycles must be 0 (off) or positive (got {self.refine_cycles})")
         require(self.bits == 0 or self.method == "sparsegpt", "only sparsegpt quantizes while pruning; pass --bits 0, or quantize afterwards")
-        self.clip_search = resolve_clip_search(self.clip_search, self.method == "sparsegpt" and self.act_order, "--method sparsegpt --act-order true")
+        self.clip_search = resolve_clip_search(self.clip_search, self.method == "sparsegpt", "--method sparsegpt")
         require(
             not (self.refine and self.bits),
             "--refine changes the mask after pruning, which a joint quantization cannot follow; prune with --refine, then quantize",
@@ -780,6 +781,7 @@ def pruning_plan(model, config: PruneConfig, overrides: dict) -> dict:
     """Full linear name -> (SparsityPattern, grid or None): the default, then overrides (first
     matching regex wins; a pattern, or {pattern, bits, group_size, symmetric}), minus skipped
     linears; each checked against its linear's input width."""
+    from compressors.sparsegpt import check_clip_search_fits
     from compressors.sparsity import parse_pattern
 
     plan = {}
@@ -798,6 +800,8 @@ def pruning_plan(model, config: PruneConfig, overrides: dict) -> dict:
         require(grid is None or not config.refine, "--refine changes the mask after pruning, which a joint quantization cannot follow; prune with --refine, then quantize")
         if grid is not None:
             grid.check_width(module.in_features, name)
+            if config.clip_search:
+                check_clip_search_fits(pattern, grid, module.in_features)
         plan[name] = pattern, grid
     return plan
 
@@ -831,7 +835,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
                 q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order, clip_search=config.clip_search)
                 result = PrunedLinear(q.dequantized(), torch.ones_like(weight, dtype=torch.bool), q)
             elif config.method == "sparsegpt":
-                result = sparsegpt_prune(weight, stats[local].second_moment, pattern, config.damp, grid=grid)
+                result = sparsegpt_prune(weight, stats[local].second_moment, pattern, config.damp, grid=grid, clip_search=config.clip_search)
             else:
                 score = magnitude_score(weight) if config.method == "magnitude" else wanda_score(weight, stats[local].second_moment)
                 keep = keep_mask(score, pattern)

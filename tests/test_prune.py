@@ -69,6 +69,35 @@ def test_sparsegpt_joint_quantization_and_fixed_mask():
     assert torch.equal(fixed.keep, joint.keep) and (fixed.weight[~joint.keep] == 0).all()
 
 
+@pytest.mark.parametrize("text", ["2:4", "0.5"])
+def test_clip_search_lowers_sparsegpts_joint_error_and_keeps_the_mask(text):
+    """Joint pruning + quantization with each group's grid clip-searched over the weights it
+    keeps: less calibration objective than min-max grids at 2 and 3 bits, for a mask chosen
+    in the sweep and for a fixed one, and the mask still holds its pattern."""
+    pattern = parse_pattern(text)
+    weight, sigma = layer_problem(seed=1)
+    objective = lambda pruned: reconstruction_error(weight, pruned.weight, sigma).sum().item()  # noqa: E731
+    for bits, most in ((2, 0.6), (3, 0.9)):
+        grid = GridSpec(bits, 32)
+        min_max = sparsegpt_prune(weight, sigma, pattern, grid=grid)
+        clipped = sparsegpt_prune(weight, sigma, pattern, grid=grid, clip_search=True)
+        assert objective(clipped) < most * objective(min_max)
+        assert (clipped.weight[~clipped.keep] == 0).all()
+        torch.testing.assert_close(clipped.weight, clipped.quantized.dequantized() * clipped.keep)
+        if pattern.structured:
+            assert (clipped.keep.reshape(48, -1, 4).sum(dim=2) == 2).all()
+        fixed = sparsegpt_prune(weight, sigma, None, keep=min_max.keep, grid=grid, clip_search=True)
+        assert torch.equal(fixed.keep, min_max.keep)
+        assert objective(fixed) < most * objective(sparsegpt_prune(weight, sigma, None, keep=min_max.keep, grid=grid))
+
+
+def test_clip_search_needs_groups_of_whole_n_m_chunks():
+    weight, sigma = layer_problem(columns=96)
+    with pytest.raises(LmpressError, match="the clip search fits each group's grid to its 3:6 mask: use a group size that is a multiple of 6"):
+        sparsegpt_prune(weight, sigma, parse_pattern("3:6"), grid=GridSpec(4, 32), clip_search=True)
+    assert sparsegpt_prune(weight, sigma, parse_pattern("3:6"), grid=GridSpec(4, -1), clip_search=True).quantized is not None
+
+
 @pytest.mark.parametrize("text,message", [
     ("1.0", "sparsity must be in [0, 1)"), ("-0.1", "sparsity must be in [0, 1)"), ("4:4", "N must be at least 1 and below M"),
     ("5:4", "N must be at least 1 and below M"), ("2-4", "a ratio like 0.5 or a pattern like 2:4"), ("2:x", "must look like N:M"),
@@ -167,7 +196,7 @@ def test_prune_bad_input_fails_cleanly(tmp_path, tiny_folder, tiny_calibration, 
         (dict(pattern="3:7"), "needs input widths divisible by 7; model.layers.0.self_attn.q_proj is 64 wide"),
         (dict(method="sparsegpt", bits=4, refine_cycles=50), "prune with --refine, then quantize"),
         (dict(method="wanda", bits=4), "only sparsegpt quantizes while pruning"),
-        (dict(method="sparsegpt", bits=4, act_order=False, clip_search=True), "--clip-search fits GPTQ's static groups: use it with --method sparsegpt"),
+        (dict(method="wanda", clip_search=True), "--clip-search clips the grids GPTQ and SparseGPT fit: use it with --method sparsegpt"),
         (dict(method="obs"), "unknown pruning method 'obs'"),
     ]
     for settings, message in cases:

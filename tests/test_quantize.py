@@ -52,15 +52,17 @@ def test_gptq_halves_the_hessian_weighted_error_of_rtn(spec, act_order):
     assert loss(gptq_quantize(w, h, spec, act_order=act_order)) < 0.6 * loss(round_to_nearest(w, spec))
 
 
+@pytest.mark.parametrize("act_order", [True, False])
 @pytest.mark.parametrize("seed", range(3))
-def test_clip_search_lowers_gptqs_hessian_weighted_error(seed):
-    """Static groups fitted with AWQ's clip search, then GPTQ's sweep: less output error than
-    min-max groups, most where the grid is coarsest."""
+def test_clip_search_lowers_gptqs_hessian_weighted_error(seed, act_order):
+    """Groups fitted with AWQ's clip search (static groups up front; without act order each as
+    the sweep reaches it), then GPTQ's sweep: less output error than min-max groups, most
+    where the grid is coarsest."""
     w, h = _problem(seed)
     loss = lambda q: torch.trace((w - q.dequantized()) @ h @ (w - q.dequantized()).T).item()  # noqa: E731
     for bits, most in ((2, 0.8), (3, 0.95)):
         spec = GridSpec(bits, 64)
-        assert loss(gptq_quantize(w, h, spec, act_order=True, clip_search=True)) < most * loss(gptq_quantize(w, h, spec, act_order=True))
+        assert loss(gptq_quantize(w, h, spec, act_order=act_order, clip_search=True)) < most * loss(gptq_quantize(w, h, spec, act_order=act_order))
 
 
 @pytest.mark.parametrize("spec,act_order,clip_search", [
@@ -180,7 +182,7 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert "group size 64 does not divide the input width 96 of model.layers.0.mlp.down_proj" in error("--method", "rtn", "--group-size", "64")
     assert "unknown method 'awq2'" in error("--method", "awq2")
     assert "forward dtype must be auto, float32 or bfloat16 (got 'float16')" in error("--forward-dtype", "float16")
-    assert "--clip-search fits GPTQ's static groups" in error("--method", "rtn", "--clip-search", "true")
+    assert "--clip-search clips the grids GPTQ and SparseGPT fit: use it with --method gptq" in error("--method", "rtn", "--clip-search", "true")
     assert "needs --calibration" in error("--method", "gptq")
     assert "--true-sequential takes --sequential true and a method that quantizes each linear" in error("--method", "awq", "--true-sequential", "true")
     assert "nf4 on the CPU needs input widths that are multiples of 64" in error("--method", "nf4")  # down_proj is 96 wide

@@ -289,8 +289,27 @@ def test_levels_settings_that_do_not_apply_are_refused():
     assert not config.act_order and not config.clip_search
     with pytest.raises(LmpressError, match="--act-order orders GPTQ's columns: use it with --method gptq"):
         LevelsConfig(method="rtn", act_order=True).validate()
-    with pytest.raises(LmpressError, match="--clip-search fits GPTQ's static groups"):
-        LevelsConfig(method="gptq", act_order=False, clip_search=True).validate()
+    with pytest.raises(LmpressError, match="--clip-search clips the grids GPTQ and SparseGPT fit"):
+        LevelsConfig(method="rtn", clip_search=True).validate()
+
+
+def test_version_2_databases_are_read_unless_their_2_4_levels_changed(tmp_path, tiny_setup):
+    """Version 3 clip-searches the 2:4 levels too; a version 2 database whose dense levels were
+    clipped has min-max 2:4 ones that a plan could no longer assemble, so it is refused."""
+    import json
+    import shutil
+
+    from pipelines.levels import LevelDatabase
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_setup[2], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest["params"]["sparse24"] and manifest["params"]["clip_search"]
+    (old / "manifest.json").write_text(json.dumps({**manifest, "version": 2}))
+    with pytest.raises(LmpressError, match="is not an lmpress level database of version 3; rebuild it with `lmpress levels`"):
+        LevelDatabase(old)
+    (old / "manifest.json").write_text(json.dumps({**manifest, "version": 2, "params": {**manifest["params"], "sparse24": False}}))
+    assert LevelDatabase(old).config.clip_search
 
 
 def test_search_bad_input_fails_cleanly(tmp_path, tiny_setup, real_model_folder):
