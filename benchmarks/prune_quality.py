@@ -9,9 +9,11 @@ cached reference (never the calibration text). The calibration objective, the la
 error E||(W - W')x||^2 summed over every pruned linear, comes from the stage's pruning.json,
 before and after refinement. Results: benchmarks/results/prune_quality.{json,md}.
 
-Run spec: method:pattern[:refine][:seq] with pattern 0.5 or 2:4 (written 2-4 on the command
-line is fine too); without ':seq' the stored statistics of the unpruned model are used (no
-forward passes), with it each layer's statistics are re-collected on the pruned model.
+Run spec: method:pattern[:refine][:seq][:wN][:noclip] with pattern 0.5 or 2:4 (written 2-4 on
+the command line is fine too); without ':seq' the stored statistics of the unpruned model are
+used (no forward passes), with it each layer's statistics are re-collected on the pruned model.
+':w4' (sparsegpt) quantizes the kept weights to 4 bits in the same pass (group size 64), and
+':noclip' fits those grids min-max instead of with the clip search.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ def main() -> None:
             "prune", "--model", args.model, "--calibration", str(args.calibration),
             "--method", method, "--pattern", pattern.replace("-", ":"), "--sequential", "true" if "seq" in flags else "false",
         ]
-        report, run = run_stage(command + (["--refine"] if "refine" in flags else []), out, "pruning.json")
+        command += ["--refine"] if "refine" in flags else []
+        command += [option for flag in flags if flag.startswith("w") for option in ("--bits", flag[1:])]
+        command += ["--clip-search", "false"] if "noclip" in flags else []
+        report, run = run_stage(command, out, "pruning.json")
         row = {
             "run": spec, "sparsity": report["sparsity"], "objective": f"{report['objective']:.1f}",
             "refined objective": f"{report['refined_objective']:.1f}" if "refined_objective" in report else "",

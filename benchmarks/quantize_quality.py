@@ -39,9 +39,10 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
     parser.add_argument(
         "--runs", default=DEFAULT_RUNS,
-        help="method[:bits[:group_size]][:stored][:noclip][:bf16][:whole], comma-separated (codebooks and nf4 / int8 take no "
+        help="method[:bits[:group_size]][:stored][:noclip][:noact][:bf16][:whole], comma-separated (codebooks and nf4 / int8 take no "
         "group size: squeezellm-gptq:3:stored); ':stored' uses the stored statistics "
         "(no forward passes), ':noclip' turns GPTQ's clip search off (min-max groups, as the results before it were measured), "
+        "':noact' turns GPTQ's act order off (groups fitted as the sweep reaches them), "
         "':bf16' runs the sequential passes in bfloat16 (the pipeline's setting), ':whole' collects each layer's statistics for all "
         "its linears at once (--true-sequential false; the default until 2026-11-25, when true-sequential went to one pass; "
         "'trueseq' in the runs of that time's results)",
@@ -56,7 +57,7 @@ def main() -> None:
         method, *rest = spec.split(":")
         bits, group_size = ([int(part) for part in rest if part.lstrip("-").isdigit()] + [None, None])[:2]  # unset: the method's
         config = QuantizeConfig(method=method, bits=bits, group_size=group_size,
-                                sequential="stored" not in rest, clip_search=False if "noclip" in rest else None,
+                                sequential="stored" not in rest, clip_search=False if "noclip" in rest else None, act_order=False if "noact" in rest else None,
                                 forward_dtype="bfloat16" if "bf16" in rest else "float32", true_sequential=False if "whole" in rest else None)
         start = time.perf_counter()
         artifact = quantize(args.model, args.calibration, work / spec.replace(":", "_"), config)
