@@ -7,7 +7,8 @@ fp16 scales; packed keep masks):
     manifest.json                  base model, calibration, settings, units and levels
     bits<b>g<g>.safetensors        GPTQ (or RTN) at b bits, group size g:
                                    <linear>.codes int8 [out, in], <linear>.scale fp16 [out, groups]
-    bits<b>g<g>s24.safetensors     (--sparse24) SparseGPT 2:4 with the kept weights on that grid:
+    bits<b>g<g>s24.safetensors     (--sparse24) SparseGPT 2:4 with the kept weights on that grid
+                                   (clip-searched with --clip-search, as `prune --bits` fits them):
                                    the same, plus <linear>.keep uint8 [out, ceil(in / 8)]
     sparsity<s>.safetensors        Wanda at sparsity s: <linear>.keep (packed, see pack_bitmask)
 
