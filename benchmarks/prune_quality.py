@@ -51,7 +51,8 @@ def main() -> None:
             "--method", method, "--pattern", pattern.replace("-", ":"), "--sequential", "true" if "seq" in flags else "false",
         ]
         command += ["--refine"] if "refine" in flags else []
-        command += [option for flag in flags if flag.startswith("w") for option in ("--bits", flag[1:])]
+        bits = next((flag[1:] for flag in flags if flag.startswith("w")), None)  # ':w4' -> --bits 4
+        command += ["--bits", bits] if bits else []
         command += ["--clip-search", "false"] if "noclip" in flags else []
         report, run = run_stage(command, out, "pruning.json")
         row = {
