@@ -8,8 +8,10 @@ written by hand, for the instructions Triton's kernels here use, the tensor-core
 A block's threads run in lockstep, each register a numpy array over them holding bit patterns.
 Lockstep makes `bar.sync` a no-op and lets a branch be taken only when every thread takes it
 (Triton's GEMVs branch uniformly; a divergent branch raises). A `cp.async` copy lands in shared
-memory only when a `cp.async.wait_group` lets its commit group go, so a pipeline that reads a
-copy before waiting for it reads stale bytes here, as it may on a GPU. A kernel that waits for
+memory only when a `cp.async.wait_group` lets its commit group go; until then a shared load or
+store of its bytes raises, since on a GPU the copy may land before or after it (a pipeline that
+reads a stage before waiting for it, or shared memory reused while a copy into it is in flight,
+as the last, never-waited copies of a ring are when the loop ends). A kernel that waits for
 the kernel before it (`griddepcontrol.wait`: launched as a programmatic dependent, it may start
 while that one still runs) may only prefetch before the wait: a global load, store, atomic or
 copy ahead of it raises, since on a GPU it could read x before it is written or write y while
@@ -175,6 +177,7 @@ class Memory:
             self.addresses.append(base + offset)
             offset += (array.nbytes + 255) // 256 * 256
         self.bytes = np.zeros(offset, dtype=np.uint8)
+        self.in_flight: np.ndarray | None = None  # shared memory: per byte, the cp.async copies into it not yet landed
         self.starts = np.array([a - base for a in self.addresses], dtype=np.int64)
         self.ends = self.starts + np.array([a.nbytes for a in arrays], dtype=np.int64)
         for address, array in zip(self.addresses, arrays):
@@ -220,13 +223,19 @@ class Memory:
             entry["sectors"] += len(touched)
             entry["distinct"].update((touched & ((1 << 40) - 1)).tolist())
 
+    def _settled(self, index: np.ndarray) -> np.ndarray:
+        """`index`, where no cp.async copy in flight writes: a shared access there raises."""
+        if self.in_flight is not None and self.in_flight[index].any():
+            raise MemoryError("a shared access to bytes a cp.async copy in flight still writes (wait for its group first)")
+        return index
+
     def load(self, address: np.ndarray, width: int, vector: int) -> list[np.ndarray]:
-        raw = self.bytes[self._index(address, width, vector)]
+        raw = self.bytes[self._settled(self._index(address, width, vector))]
         words = raw.reshape(len(address), vector, width).copy().view(_UNSIGNED[width])
         return [words[:, i, 0].astype(np.uint64) for i in range(vector)]
 
     def store(self, address: np.ndarray, values: list[np.ndarray], width: int) -> None:
-        index = self._index(address, width, len(values))
+        index = self._settled(self._index(address, width, len(values)))
         self.bytes[index] = np.stack([v.astype(_UNSIGNED[width]) for v in values], axis=1).view(np.uint8).reshape(len(address), -1)
 
 
@@ -248,6 +257,8 @@ class Block:
             if axis != "x":
                 self.special.update({f"%tid.{axis}": 0 * lanes, f"%ntid.{axis}": 0 * lanes + np.uint64(1)})
         self.shared = Memory([np.zeros(shared_bytes, dtype=np.uint8)], base=0) if shared_bytes else None  # `global_smem` is 0
+        if self.shared is not None:
+            self.shared.in_flight = np.zeros(shared_bytes, np.int32)
         # cp.async copies not yet landed: those issued since the last commit, and each committed group's
         self.copying: list[tuple[np.ndarray, np.ndarray]] = []
         self.committed: list[list[tuple[np.ndarray, np.ndarray]]] = []
@@ -335,6 +346,7 @@ class Block:
             while len(self.committed) > waiting:
                 for index, data in self.committed.pop(0):
                     self.shared.bytes[index] = data
+                    np.subtract.at(self.shared.in_flight, index, 1)
             return
         threads = self.everyone if active is None else active
         if name == "prefetch" or opcode.startswith("cp.async.bulk.prefetch."):  # a cache hint: no value changes, but its bytes must be there
@@ -354,7 +366,9 @@ class Block:
                 if count:
                     data[:, :count] = self.memory.bytes[self.memory._index(source[chosen], int(count), 1)]
                     self.memory.count(source[chosen], int(count), np.flatnonzero(chosen))
-                self.copying.append((self.shared._index(target[chosen], size, 1), data))  # lands at the wait for its group
+                index = self.shared._index(target[chosen], size, 1)
+                np.add.at(self.shared.in_flight, index, 1)
+                self.copying.append((index, data))  # lands at the wait for its group
             return
         if name in ("stmatrix", "ldmatrix"):
             self.matrix(name == "ldmatrix", parts, ops, active)

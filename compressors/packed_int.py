@@ -1388,11 +1388,11 @@ def matmul_triton(x: torch.Tensor, weight: PackedWeight, block_m: int = 16, bloc
     """x [M, K] @ dequantized(weight)^T, fused: the fast grid kernels where they apply, else the
     general tile kernels; a GEMV kernel serves M == 1. tune=False: the grid kernels launch their
     first launch shape instead of the autotuned one (a check of the decode, not a timing)."""
+    M, K = x.shape
+    require(K == weight.columns, f"x has {K} inputs; the weight takes {weight.columns}")  # the kernels would read past it or stop short
     if not x.is_cuda:
         check_triton_backend(x.device)
     x = x.contiguous()
-    M, K = x.shape
-    require(K == weight.columns, f"x has {K} inputs; the weight takes {weight.columns}")  # the kernels would read past it or stop short
     y = torch.empty(M, weight.rows, dtype=x.dtype, device=x.device)
     grid, tensors, strides, flags = weight._launch
     if grid:

@@ -257,10 +257,12 @@ def run(x, weight, y, launch: Launch):
     return y
 
 
-# The launches `served_launch` times against the grid GEMV: the half2 ones without prefetch or
-# 4-byte x loads, whose loops compiled shortest for sm_90 (benchmarks/results/gemv_gluon_sass.md).
-# Twelve, so a layer shape's first call compiles and times a bounded number.
-SERVED = [launch for launch in LAUNCHES if launch.half2 and not launch.prefetch and launch.xvec]
+# The launches `served_launch` times against the grid GEMV: every half2 one (18; a layer shape's
+# first call compiles and times them, about 0.5 s). Not only those whose loops compiled shortest
+# for sm_90 (no prefetch, 16-byte x loads; benchmarks/results/gemv_gluon_sass.md): on an H200 the
+# fastest interleaved launch at 4096x4096 and 4096x14336 loads x in 4 bytes, and the next one
+# prefetches (benchmarks/results/gpu_h200.md).
+SERVED = [launch for launch in LAUNCHES if launch.half2]
 
 
 def fits(weight, launch: Launch) -> bool:
