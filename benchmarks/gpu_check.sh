@@ -30,7 +30,8 @@
 #             linear packed (bits4g64), from the same $LATENCY/model/config.json (random weights), its
 #             launches compiled first as for latency (at batch 1 and the prompt's 32 rows too)
 # Reports go to $OUT (default /tmp/lmpress-gpu), the full log to $OUT/gpu_check.log. Packages the
-# machine lacks (compressed-tensors, bitsandbytes and their needs) may be carried as wheels in .whl/.
+# machine lacks (compressed-tensors, bitsandbytes and their needs) may be carried as wheels in .whl/
+# (`bash benchmarks/gpu_wheels.sh` fetches compressed-tensors and the pinned transformers; carry [".whl"]).
 #
 # TESTS_K replaces the tests' selection (e.g. "every_tuned and pipelined": the GEMV launches that
 # copy blocks ahead).
