@@ -1370,8 +1370,9 @@ def _grid_matmul(x: torch.Tensor, weight: PackedWeight, y: torch.Tensor, config:
     if M == 1:
         grid = lambda meta: (triton.cdiv(weight.rows, meta["BLOCK_N"]), k_slices(K, meta))  # noqa: E731
 
-        def grid_gemv(out: torch.Tensor) -> torch.Tensor:
-            kernel[grid](x, *tensors, out, weight.rows, K, *strides, **flags, PTX=x.is_cuda, **settings)
+        def grid_gemv(out: torch.Tensor, copy: PackedWeight = weight) -> torch.Tensor:  # `copy`: another copy of the weight, when timed
+            _, copy_tensors, copy_strides, _ = copy._launch
+            kernel[grid](x, *copy_tensors, out, weight.rows, K, *copy_strides, **flags, PTX=x.is_cuda, **settings)
             return out
 
         # fp16 int4 on CUDA: the Gluon GEMV where it timed faster for this layer (compressors/packed_int_gluon.py)

@@ -35,7 +35,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from compressors.packed_int import _DOT4_PTX, HALF2_NIBBLES4, PREFETCH_L2, _quick_bench, pdl_launch  # (_DOT4_PTX, HALF2=0: the grid GEMV's decode and 8 fp32 FMAs)
+from compressors.packed_int import _DOT4_PTX, HALF2_NIBBLES4, PREFETCH_L2, pdl_launch  # (_DOT4_PTX, HALF2=0: the grid GEMV's decode and 8 fp32 FMAs)
 
 PAIR_LO = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")  # (x_2i, x_2i+1), (x_2i+4, x_2i+5) -> (x_2i, x_2i+4)
 PAIR_HI = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")  # -> (x_2i+1, x_2i+5)
@@ -258,7 +258,7 @@ def run(x, weight, y, launch: Launch):
 
 
 # The launches `served_launch` times against the grid GEMV: every half2 one (18; a layer shape's
-# first call compiles and times them, about 0.5 s). Not only those whose loops compiled shortest
+# first call compiles and times them). Not only those whose loops compiled shortest
 # for sm_90 (no prefetch, 16-byte x loads; benchmarks/results/gemv_gluon_sass.md): on an H200 the
 # fastest interleaved launch at 4096x4096 and 4096x14336 loads x in 4 bytes, and the next one
 # prefetches (benchmarks/results/gpu_h200.md).
@@ -287,13 +287,13 @@ def picked(x: torch.Tensor, weight) -> Launch | None:
 
 
 def served_launch(x: torch.Tensor, weight, grid_gemv) -> Launch | None:
-    """The launch that serves x @ weight^T at batch 1, or None for the grid GEMV (`grid_gemv`:
-    it, autotuned, writing y into the tensor it is given). Only for fp16 x on CUDA with
-    autotuning on (LMPRESS_AUTOTUNE=0 runs a fixed launch; LMPRESS_GLUON=0 turns this off), for
-    a weight some launch `fits`. Once per layer shape, group and layout: the fitting launches of
-    SERVED are timed against the grid GEMV (after its own tuning) with its tuner's timing, and
-    the fastest serves; a launch that fails to compile, or whose y is not the grid GEMV's within
-    fp16 rounding (5e-3 relative), is never picked, with a warning."""
+    """The launch that serves x @ weight^T at batch 1, or None for the grid GEMV (`grid_gemv(out,
+    copy)`: it, autotuned, for that copy of the weight, writing y into `out`). Only for fp16 x on
+    CUDA with autotuning on (LMPRESS_AUTOTUNE=0 runs a fixed launch; LMPRESS_GLUON=0 turns this
+    off), for a weight some launch `fits`. Once per layer shape, group and layout: the fitting
+    launches of SERVED are timed against the grid GEMV (after its own tuning) as a model serves
+    them, and the fastest serves; a launch that fails to compile, or whose y is not the grid
+    GEMV's within fp16 rounding (5e-3 relative), is never picked, with a warning."""
     if (weight.bits != 4 or not x.is_cuda or x.dtype != torch.float16 or os.environ.get("LMPRESS_AUTOTUNE") == "0"
             or os.environ.get("LMPRESS_GLUON") == "0"):
         return None
@@ -304,12 +304,19 @@ def served_launch(x: torch.Tensor, weight, grid_gemv) -> Launch | None:
 
 
 def _fastest(x: torch.Tensor, weight, grid_gemv, launches: list[Launch]) -> Launch | None:
-    """The fastest of the grid GEMV (None) and those of `launches` that compute its y."""
+    """The fastest of the grid GEMV (None) and those of `launches` that compute its y, each
+    timed as a model runs it (`weight_seconds`): back to back in a CUDA graph, over copies of the
+    weight that overflow the L2, so one call's tail overlaps the next one's start (programmatic
+    dependent launch) and the words come from device memory. Timed one call at a time after an
+    L2 flush (Triton's do_bench), the launches ranked differently: on an H200 that pick served
+    14336x4096 in 14.1 us where another launch took 12.4 (benchmarks/results/gpu_h200.md)."""
+    from compressors.kernels import weight_seconds  # here, not above: compressors.kernels imports packed_int, which imports this module
+
     if not launches:
         return None
     y = torch.empty(1, weight.rows, dtype=torch.float16, device=x.device)
     expected = grid_gemv(y).float()  # the grid GEMV tunes on this call
-    timings = {None: _quick_bench(lambda: grid_gemv(y), None)}
+    timings = {None: weight_seconds(lambda copy: grid_gemv(y, copy), weight)}
     for launch in launches:
         try:
             error = ((run(x, weight, y, launch).float() - expected).norm() / expected.norm()).item()
@@ -319,5 +326,5 @@ def _fastest(x: torch.Tensor, weight, grid_gemv, launches: list[Launch]) -> Laun
         if not error <= 5e-3:
             warnings.warn(f"Gluon GEMV {launch} is {error:.1e} off the grid GEMV at {weight.rows}x{weight.columns}: not served", stacklevel=3)
             continue
-        timings[launch] = _quick_bench(lambda: run(x, weight, y, launch), None)  # noqa: B023  (timed here, in this iteration)
+        timings[launch] = weight_seconds(lambda copy: run(x, copy, y, launch), weight)  # noqa: B023  (timed here, in this iteration)
     return min(timings, key=timings.get)
