@@ -827,6 +827,22 @@ def test_gluon_gemv_serves_only_the_weights_it_fits(monkeypatch):
         assert packed_int_gluon.served_launch(x.cuda().float(), weight.to("cuda"), never) is None
 
 
+def test_gluon_gemv_pick_falls_back_to_the_grid_gemv_where_nothing_can_be_timed():
+    """Serving picks the batch-1 GEMV by timing candidates in a CUDA graph; where none can be
+    captured (here: no GPU at all, which is where `weight_seconds` fails first) the pick warns
+    once and the grid GEMV serves, instead of the first call failing."""
+    from compressors import packed_int_gluon
+
+    weight, x = random_packed(4, 64, 2048, 128), torch.randn(1, 2048).half()
+    grid_gemv = lambda out, copy=weight: out.copy_(matmul_reference(x, copy))  # noqa: E731  (the grid GEMV's contract: y into `out`)
+    launches = [launch for launch in packed_int_gluon.SERVED if packed_int_gluon.fits(weight, launch)]
+    assert launches
+    if torch.cuda.is_available():
+        pytest.skip("CUDA graphs can be captured here")
+    with pytest.warns(UserWarning, match="could not be timed in a CUDA graph"):
+        assert packed_int_gluon._fastest(x, weight, grid_gemv, launches) is None
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only (here: their PTX, emulated, above)")
 def test_gluon_gemv_matches_the_reference_and_serves_where_it_is_faster(monkeypatch):
     """On a GPU: every Gluon launch in both layouts, in groups of 128 and per channel, against
