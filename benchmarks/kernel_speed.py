@@ -287,11 +287,10 @@ def main() -> None:
                     if batch == 1:
                         row[f"{prefix}{kind}_bandwidth_fraction"] = round(weight.nbytes / seconds / bandwidth, 3)
                         row[f"{prefix}{kind}_bytes"] = weight.nbytes
-                if kind.removesuffix("-interleaved") in ("int4", "int8", "int3"):  # the launch shape the autotuner chose
+                if kind.removesuffix("-interleaved") in ("int4", "int8", "int3"):  # the launch shape served: Gluon's pick, or the tuner's
                     tuned = (packed_int._GEMV if batch == 1 else packed_int._GEMM)[0]
-                    row[f"{kind}_config"] = str(getattr(tuned, "best_config", ""))
-                    if batch == 1 and (launch := packed_int_gluon.picked(x, weight)) is not None:  # served instead of the grid GEMV
-                        row[f"{kind}_config"] = f"Gluon {launch}"
+                    gluon = packed_int_gluon.picked(x, weight) if batch == 1 else None
+                    row[f"{kind}_config"] = f"Gluon {gluon}" if gluon is not None else str(getattr(tuned, "best_config", ""))
             if semi_structured is not None:
                 try:  # its sparse kernels may refuse a shape, a batch or graph capture
                     seconds = gpu_seconds([lambda s=s: torch.nn.functional.linear(x, s) for s in semi_structured])
