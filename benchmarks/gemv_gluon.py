@@ -35,7 +35,8 @@ def compiled(launch: Launch, interleaved: int, group: int = 128):
     from benchmarks.kernel_sass import ON_HOPPER, compile_for
 
     constants = dict(GROUP=group, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
-                     WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec, **ON_HOPPER)
+                     WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec, XSMEM=launch.xsmem,
+                     XITERS=4096 // (8 * launch.words) if launch.xsmem else 0, **ON_HOPPER)
     return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True)
 
 
@@ -85,7 +86,7 @@ def emulated(launches: list[Launch], rows: int = 32, columns: int = 4096) -> lis
     return results
 
 
-def traffic(launches: list[Launch] | None = None, rows: int = 64, columns: int = 4096) -> list[dict]:
+def traffic(launches: list[Launch] | None = None, rows: int = 64, columns: int = 4096, interleaved: bool = True) -> list[dict]:
     """What each batch-1 int4 GEMV reads, counted by running its sm_90 PTX (compiled as on
     4096-wide layers) on the CPU: the served Gluon launches and the grid GEMV at its GEMV_CONFIGS
     (both interleaved, as CUDA serves), or only the Gluon `launches` given, on `rows` x `columns`
@@ -103,12 +104,13 @@ def traffic(launches: list[Launch] | None = None, rows: int = 64, columns: int =
     from compressors import packed_int
     from compressors.packed_int_gluon import SERVED
 
-    weight = packed_int.random_packed_weight(4, rows, columns, 128).interleave()
+    weight = packed_int.random_packed_weight(4, rows, columns, 128)
+    weight = weight.interleave() if interleaved else weight
     x = torch.randn(1, columns, generator=torch.Generator().manual_seed(0)).half()
     needed = weight.packed.numel() * 4 + weight.scale.numel() * 2  # bytes the weight is: read once, at best
     kernels = []  # (name, ptx, grid, arguments); both kernels take x, then the words, then the scales
     for launch in launches or SERVED:
-        kernels.append((f"Gluon {launch}", compiled(launch, 1).asm["ptx"], (rows // launch.block_n,),
+        kernels.append((f"Gluon {launch}", compiled(launch, int(interleaved)).asm["ptx"], (rows // launch.block_n,),
                         [x.numpy(), weight.packed.numpy(), weight.scale.numpy(), np.zeros(rows, np.float16), rows, columns,
                          weight.packed.stride(0), weight.scale.stride(0)]))
     _, tensors, strides, flags = weight._launch

@@ -67,7 +67,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
 from compressors.packed_int import HALF2_DECODE4, dequantize_reference, pdl_launch  # noqa: E402
-from compressors.packed_int_gluon import await_predecessor  # noqa: E402
+from compressors.packed_int_gluon import await_predecessor, copy_to_shared  # noqa: E402
 
 CHUNK = 64  # columns of a tile a warp's one 16-byte load a thread covers
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
@@ -106,10 +106,6 @@ def pack_mma(weight) -> tuple[torch.Tensor, torch.Tensor]:
     words = (tiles << (4 * torch.arange(8, device=tiles.device))).sum(dim=1)
     scale = weight.scale.reshape(n // 16, 16, -1).permute(0, 2, 1).contiguous()
     return (words - (words >= 2**31) * 2**32).to(torch.int32), scale
-
-
-# cp.async global -> shared (Triton 3.9 names it async_load; 3.6, the H100 image's, async_copy_global_to_shared)
-_copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -178,7 +174,7 @@ def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
     if STAGES:  # the words through a ring of STAGES iterations in shared memory, copied STAGES - 1 ahead
         ring = gl.allocate_shared_memory(gl.int32, [STAGES, T, CPW, S], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
         for i in gl.static_range(STAGES - 1):
-            _copy_to_shared(ring.index(i), words_at + i * STEP * 128, mask=s3 * 0 + i < iterations)
+            copy_to_shared(ring.index(i), words_at + i * STEP * 128, mask=s3 * 0 + i < iterations)
             async_copy.commit_group()
     for it in range(iterations):
         c0 = it * STEP
@@ -186,7 +182,7 @@ def gemv_mma(x_ptr, packed_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
             async_copy.wait_group(STAGES - 2)
             w = ring.index(it % STAGES).load(L3)
             following = it + STAGES - 1  # into the slot read last iteration
-            _copy_to_shared(ring.index(following % STAGES), words_at + following * STEP * 128, mask=s3 * 0 + following < iterations)
+            copy_to_shared(ring.index(following % STAGES), words_at + following * STEP * 128, mask=s3 * 0 + following < iterations)
             async_copy.commit_group()
         else:
             w = gl.load(words_at + c0 * 128)

@@ -216,12 +216,32 @@ class Memory:
         start, array = self._located(address)
         warp = (threads.astype(np.int64) // 32) << 40
         keys, owner = np.concatenate([warp | start // 32, warp | (start + size - 1) // 32]), np.concatenate([array, array])
+        lines = np.concatenate([warp | start // 128, warp | (start + size - 1) // 128])
         for a in np.unique(array):
-            entry = self.traffic.setdefault(int(a), {"requested": 0, "sectors": 0, "distinct": set()})
+            entry = self.traffic.setdefault(int(a), {"requested": 0, "sectors": 0, "lines": 0, "distinct": set()})
             entry["requested"] += size * int((array == a).sum())
             touched = np.unique(keys[owner == a])
             entry["sectors"] += len(touched)
+            entry["lines"] += len(np.unique(lines[owner == a]))
             entry["distinct"].update((touched & ((1 << 40) - 1)).tolist())
+
+    def count_banks(self, address: np.ndarray, size: int, threads: np.ndarray) -> None:
+        """Count one shared-memory load instruction into `traffic["shared"]`: its wavefronts. A
+        warp's threads go in phases of 128 bytes' worth (8 threads of 16-byte loads, 16 of 8, 32
+        of 4), and a phase takes as many wavefronts as the most distinct 4-byte words one of the
+        32 banks holds in it (1: conflict-free)."""
+        if self.traffic is None or not len(address):
+            return
+        words = (address.astype(np.int64) // 4)[:, None] + np.arange(max(size // 4, 1))
+        phase = np.repeat(threads.astype(np.int64) // (128 // max(size, 4)), words.shape[1])
+        keys = np.unique(np.stack([phase, words.ravel() % 32, words.ravel()], axis=1), axis=0)  # distinct words per (phase, bank)
+        banks, per_bank = np.unique(keys[:, :2], axis=0, return_counts=True)
+        worst = np.zeros(int(phase.max()) + 1, np.int64)
+        np.maximum.at(worst, banks[:, 0], per_bank)
+        entry = self.traffic.setdefault("shared", {"loads": 0, "wavefronts": 0, "conflicts": 0})
+        entry["loads"] += len(np.unique(threads // 32))
+        entry["wavefronts"] += int(worst.sum())
+        entry["conflicts"] += int((worst - 1)[np.unique(phase)].sum())  # wavefronts past one a phase
 
     def _settled(self, index: np.ndarray) -> np.ndarray:
         """`index`, where no cp.async copy in flight writes: a shared access there raises."""
@@ -293,10 +313,10 @@ class Block:
         self.regs[token] = bits
 
     def address(self, operand: str) -> np.ndarray:
-        """`[reg + offset]`, `[reg]` or `[param]` as one address per thread."""
+        """`[reg + offset]` (the offset may be negative: `[reg+-12]`), `[reg]` or `[param]` as one address per thread."""
         inside = operand.strip()[1:-1].replace(" ", "")
         base, _, offset = inside.partition("+")
-        return (self.value(base) + np.uint64(int(offset, 0) if offset else 0)) & np.uint64((1 << 64) - 1)
+        return self.value(base) + np.uint64((int(offset, 0) if offset else 0) % (1 << 64))  # wraps modulo 2^64, as the address does
 
     def execute(self, body: str) -> None:
         self.awaiting = "griddepcontrol.wait" in body
@@ -430,7 +450,10 @@ class Block:
                 if threads.any():
                     for whole, part in zip(loaded, memory.load(address[threads], width, vector)):
                         whole[threads] = part
-                    memory.count(address[threads], width * vector, np.flatnonzero(threads))
+                    if space == "shared":
+                        self.memory.count_banks(address[threads], width * vector, np.flatnonzero(threads))
+                    else:
+                        memory.count(address[threads], width * vector, np.flatnonzero(threads))
                 for target, bits in zip(targets, loaded):
                     if kind[0] == "s":  # ld.s8 / .s16 into a wider register sign-extends (Triton 3.6's int8 zero points)
                         bits = _bits(_as(bits, kind).astype(np.int64))
@@ -693,19 +716,26 @@ def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffi
         Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0).execute(body)
     memory.read_back(arrays)
     for entry in (traffic or {}).values():
-        entry["distinct"] = 32 * len(entry["distinct"])
+        if "distinct" in entry:
+            entry["distinct"] = 32 * len(entry["distinct"])
 
 
 def reads_per_byte(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], arrays: tuple[str, ...], needed: int) -> dict:
     """`launch` with its reads counted, per array (`arrays` names the first arrays of `args`, in
     order): bytes asked for, 32-byte sectors the warps' accesses touch and distinct sectors,
     each per byte of `needed` (what the kernel must read at best), and the share of each
-    sector's bytes used."""
+    sector's bytes used; and the L1 wavefronts, per byte of `needed`: each warp's global load
+    takes one per 128-byte line it touches, each shared load as many as its bank conflicts make
+    (`Memory.count_banks`; under "shared")."""
     counted: dict = {}
     launch(ptx, grid, args, traffic=counted)
     report = {}
     for index, name in enumerate(arrays):
-        entry = counted.get(index, {"requested": 0, "sectors": 0, "distinct": 0})
+        entry = counted.get(index, {"requested": 0, "sectors": 0, "lines": 0, "distinct": 0})
         report[name] = {"requested_per_weight_byte": entry["requested"] / needed, "sectors_per_weight_byte": 32 * entry["sectors"] / needed,
-                        "sector_use": entry["requested"] / max(32 * entry["sectors"], 1), "distinct_per_weight_byte": entry["distinct"] / needed}
+                        "sector_use": entry["requested"] / max(32 * entry["sectors"], 1), "distinct_per_weight_byte": entry["distinct"] / needed,
+                        "wavefronts_per_weight_byte": entry["lines"] / needed}
+    shared = counted.get("shared", {"loads": 0, "wavefronts": 0, "conflicts": 0})
+    report["shared"] = {"wavefronts_per_weight_byte": shared["wavefronts"] / needed, "wavefronts_per_load": shared["wavefronts"] / max(shared["loads"], 1),
+                        "bank_conflicts": shared["conflicts"]}
     return report

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from compressors.packed_int import _DOT4_PTX, HALF2_NIBBLES4, PREFETCH_L2, pdl_launch  # (_DOT4_PTX, HALF2=0: the grid GEMV's decode and 8 fp32 FMAs)
 
@@ -63,6 +64,9 @@ DOT4_HALF2 = gl.constexpr("""{
     .reg .b16 lo, hi;
     .reg .f32 flo, fhi;""" + _DECODE + HALF2_DOT4 + "}")
 _PREFETCH_L2 = gl.constexpr(PREFETCH_L2)
+# Triton 3.9's names; 3.6's (the GPU images'): thread_barrier, async_copy_global_to_shared
+_block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # cp.async, global to shared
 # a programmatic dependent's wait for the kernel before it (complete, its writes visible), then
 # the next kernel let launch; as packed_int's grid kernels do with Triton's gdc_wait and
 # gdc_launch_dependents, which Gluon lacks. $0: an inline asm needs a result.
@@ -93,7 +97,8 @@ def await_predecessor(WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _x_pairs(xq_ptr, units, LU: gl.constexpr, LX: gl.constexpr, XVEC: gl.constexpr, INTERLEAVED: gl.constexpr):
+def _x_pairs(xq_ptr, units, LU: gl.constexpr, LX: gl.constexpr, XVEC: gl.constexpr, INTERLEAVED: gl.constexpr, XSMEM: gl.constexpr, x_tiles,
+             LT: gl.constexpr):
     """x as 4 half2 pairs for each unit of `units` (xq_ptr: x as int32, pairs (x_2i, x_2i+1)). Unit
     order: unit u's pairs (x_8u+2i, x_8u+2i+1) at 4u + i. Interleaved (`interleave_order`): code
     p + 4 b of unit q in a tile of 4 stands for the tile's column 8 p + 2 q + b, so the decode's
@@ -105,9 +110,15 @@ def _x_pairs(xq_ptr, units, LU: gl.constexpr, LX: gl.constexpr, XVEC: gl.constex
     else:
         step: gl.constexpr = 1
         first = units * 4
-    if XVEC:
-        rx = gl.convert_layout(first, gl.SliceLayout(1, LX))
-        p = gl.load(xq_ptr + gl.expand_dims(rx, 1) + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LX)) * step, 0))
+    if XSMEM or XVEC:
+        if XSMEM:  # this block's tiles of x in shared memory (`_x_to_shared`): tile T's 16 pairs in four 16-byte loads
+            t = gl.permute(x_tiles.permute((1, 0)).load(LT), (1, 0))
+            if INTERLEAVED:  # pair 16 T + 4 p + q is unit 4 T + q's pair p
+                t = gl.permute(gl.reshape(t, [t.shape[0], 4, 4]), [0, 2, 1])
+            p = gl.reshape(t, [4 * t.shape[0], 4])  # each thread's units as LU has them (not via LX: in unit order its warps differ)
+        else:
+            rx = gl.convert_layout(first, gl.SliceLayout(1, LX))
+            p = gl.load(xq_ptr + gl.expand_dims(rx, 1) + gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, LX)) * step, 0))
         p = gl.reshape(p, [p.shape[0], 2, 2])  # pair 2a + b
         even, odd = gl.split(p)
         a0, a2 = gl.split(even)
@@ -122,6 +133,26 @@ def _x_pairs(xq_ptr, units, LU: gl.constexpr, LX: gl.constexpr, XVEC: gl.constex
         a2 = gl.load(xq_ptr + first + 2 * step)
         a3 = gl.load(xq_ptr + first + 3 * step)
     return a0, a1, a2, a3
+
+
+@gluon.jit
+def _x_to_shared(xq_ptr, ITERS: gl.constexpr, TILES: gl.constexpr, WARPS: gl.constexpr):
+    """All of x (ITERS x TILES tiles of 16 pairs), copied once per block into shared memory, so
+    the loop reads each thread's tile in four conflict-free 16-byte loads (4 wavefronts a warp
+    each) instead of four global loads that each touch 16 cache lines (a warp's 32 tiles lie 64
+    bytes apart, 16 bytes each; on an H200 the GEMV's time followed those line lookups, not its
+    DRAM bytes: benchmarks/results/gemv_l1_model.md). The swizzle: tile T's 16-byte piece c sits
+    at piece c ^ (T // 2 % 4) of its row, so the 8 tiles a quarter-warp reads at once cover all
+    32 banks. Copied by cp.async, 512 contiguous bytes a warp, all in flight at once (loaded into
+    registers and stored, each store would wait for its load, and Triton puts a barrier between
+    stores); the caller waits for them, and puts one barrier, before its loop."""
+    x_shared = gl.allocate_shared_memory(gl.int32, [ITERS, TILES, 16], gl.SwizzledSharedLayout(4, 2, 4, [1, 0]))
+    LF: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
+    pairs = gl.expand_dims(gl.arange(0, TILES, layout=gl.SliceLayout(1, LF)) * 16, 1) + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, LF)), 0)
+    for i in gl.static_range(ITERS):
+        copy_to_shared(x_shared.index(i), xq_ptr + i * (TILES * 16) + pairs)
+    async_copy.commit_group()
+    return x_shared
 
 
 @gluon.jit
@@ -149,7 +180,8 @@ def _rows(column, like):
 @gluon.jit
 def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
                GROUP: gl.constexpr, HALF2: gl.constexpr, ROWS: gl.constexpr, WARPS_N: gl.constexpr, PREFETCH: gl.constexpr,
-               XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0, VEC: gl.constexpr = 4, PDL: gl.constexpr = False):
+               XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0, VEC: gl.constexpr = 4, PDL: gl.constexpr = False,
+               XSMEM: gl.constexpr = 0, XITERS: gl.constexpr = 0):
     # a thread: ROWS rows x runs of 4 consecutive words (a 16-byte load a row); a warp: 32 threads along
     # the words; warps over rows x words. The block is VEC // 4 such tiles along the words, so with
     # VEC 8 a thread's second run lies a tile's width (128 x warps along K words) after its first:
@@ -171,9 +203,19 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
     ru = gl.arange(0, WORDS, layout=LU)
     if PDL:
         _await_inputs(packed_ptr, scale_ptr, gl.program_id(0), stride_pn, stride_sn, ROWS, WARPS_N, WARPS, VEC)
+    # a thread's tiles of x (16 pairs: 4 units' x) in shared memory, read as [16, tiles]: lanes and warps
+    # laid out as LW's along the words (so the pairs reach LU in each thread's registers, not through shared memory)
+    LT: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
+    if XSMEM:
+        x_shared = _x_to_shared(xq_ptr, XITERS, WORDS // 4, WARPS)
+    else:
+        x_shared = xq_ptr  # (unused)
     if PREFETCH:
         w = gl.load(w_rows + gl.expand_dims(ru, 0))
         s = gl.load(s_rows + gl.expand_dims(ru // (GROUP // 8), 0))
+    if XSMEM:  # x's copies landed (the first words' loads, where prefetched, went out while they flew)
+        async_copy.wait_group(0)
+        _block_barrier()  # here, once: left to Triton's membar pass, the barrier lands inside the loop that reads x
     for u0 in range(0, span, WORDS):
         units = u0 + ru
         if PREFETCH:  # this block's words came last iteration; the next block's load now (the last block re-reads itself)
@@ -186,7 +228,7 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
             w_now = gl.load(w_rows + gl.expand_dims(units, 0))
             # a word's group as units // (GROUP // 8), not units * 8 // GROUP: ptxas then sees one scale a run and loads it once
             s_now = gl.load(s_rows + gl.expand_dims(units // (GROUP // 8), 0))
-        a0, a1, a2, a3 = _x_pairs(xq_ptr, units, LU, LX, XVEC, INTERLEAVED)
+        a0, a1, a2, a3 = _x_pairs(xq_ptr, units, LU, LX, XVEC, INTERLEAVED, XSMEM, x_shared.index(u0 // WORDS) if XSMEM else x_shared, LT)
         if HALF2:
             if INTERLEAVED:
                 q0, q1, q2, q3 = a0, a1, a2, a3
@@ -224,6 +266,7 @@ class Launch(NamedTuple):
     xvec: int  # x in 16-byte loads (needs warps_n == warps: x's layout then matches the words')
     warps: int
     vec: int = 4  # a thread's words a row: runs of 4 consecutive words (8: two runs, a warp's runs apart)
+    xsmem: int = 0  # all of x in shared memory, loaded once per block (`_x_to_shared`; xvec is then moot)
 
     @property
     def block_n(self) -> int:
@@ -235,7 +278,7 @@ class Launch(NamedTuple):
 
     def __str__(self) -> str:
         return (f"{'half2' if self.half2 else 'fp32'} {self.block_n}x{self.words} ({self.rows} row{'s' if self.rows > 1 else ''} x {self.vec} words "
-                f"a thread), {self.warps} warps" + (", prefetch" if self.prefetch else "") + ("" if self.xvec else ", x by 4-byte loads"))
+                f"a thread), {self.warps} warps" + (", prefetch" if self.prefetch else "") + (", x in shared memory" if self.xsmem else "" if self.xvec else ", x by 4-byte loads"))
 
 
 LAUNCHES = [Launch(*shape) for shape in [
@@ -243,6 +286,8 @@ LAUNCHES = [Launch(*shape) for shape in [
     (1, 1, 2, 0, 1, 2), (1, 2, 2, 0, 1, 2), (1, 2, 2, 0, 0, 4), (1, 1, 2, 0, 0, 4), (1, 4, 2, 0, 0, 4),
     (1, 1, 4, 0, 1, 4, 8), (1, 2, 4, 0, 1, 4, 8), (1, 1, 8, 0, 1, 8, 8), (1, 2, 8, 0, 1, 8, 8),
     (1, 2, 4, 1, 1, 4), (1, 1, 4, 1, 1, 4), (1, 2, 8, 1, 1, 8),
+    (1, 1, 4, 0, 1, 4, 4, 1), (1, 2, 4, 0, 1, 4, 4, 1), (1, 4, 4, 0, 1, 4, 4, 1), (1, 2, 8, 0, 1, 8, 4, 1), (1, 2, 2, 0, 1, 4, 4, 1),
+    (1, 4, 2, 0, 1, 4, 4, 1), (1, 2, 4, 0, 1, 4, 8, 1), (1, 2, 4, 1, 1, 4, 4, 1),
     (0, 1, 4, 0, 1, 4), (0, 2, 4, 0, 1, 4), (0, 4, 4, 0, 1, 4), (0, 1, 8, 0, 1, 8), (0, 2, 8, 0, 1, 8), (0, 1, 4, 0, 1, 4, 8),
 ]]
 
@@ -253,7 +298,9 @@ def run(x, weight, y, launch: Launch):
     gemv_gluon[(weight.rows // launch.block_n,)](x, weight.packed, weight.scale, y, weight.rows, weight.columns, weight.packed.stride(0),
                                                  weight.scale.stride(0), GROUP=weight.group_size, HALF2=launch.half2, ROWS=launch.rows,
                                                  WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec, WARPS=launch.warps,
-                                                 INTERLEAVED=int(weight.interleaved), VEC=launch.vec, num_warps=launch.warps, **pdl_launch(x.device))
+                                                 INTERLEAVED=int(weight.interleaved), VEC=launch.vec, XSMEM=launch.xsmem,
+                                                 XITERS=weight.columns // (8 * launch.words) if launch.xsmem else 0, num_warps=launch.warps,
+                                                 **pdl_launch(x.device))
     return y
 
 
@@ -271,7 +318,10 @@ def fits(weight, launch: Launch) -> bool:
     of its blocks along K (the kernel has no masks)."""
     plain = weight.bits == 4 and weight.zero is None and weight.codebook is None and weight.bitmask is None and weight.scale is not None
     return (plain and weight.group_size % 8 == 0 and weight.columns % weight.group_size == 0 and weight.rows % launch.block_n == 0
-            and weight.columns % (8 * launch.words) == 0)
+            and weight.columns % (8 * launch.words) == 0 and (not launch.xsmem or weight.columns * 2 <= X_SHARED_BYTES))
+
+
+X_SHARED_BYTES = 96 * 1024  # x held in shared memory, at most: K up to 49152 (sm_90 gives a block up to 227 KiB)
 
 
 _PICKS: dict[tuple, Launch | None] = {}

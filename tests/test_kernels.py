@@ -544,8 +544,9 @@ def test_ptx_emulator_runs_a_kernel_and_faults_where_a_gpu_would():
     launch(_SUM_PTX, (2,), [x, out, 3], traffic=counted)
     np.testing.assert_allclose(out, x.reshape(4, 96).sum(axis=1), rtol=1e-5)
     # each thread reads its 3 floats one at a time: 12 bytes apart across a warp, so each load
-    # instruction touches 3x the 32-byte sectors it needs; every byte of x is read once
-    assert counted == {0: {"requested": x.nbytes, "sectors": 3 * x.nbytes // 32, "distinct": x.nbytes}}
+    # instruction touches 3x the 32-byte sectors it needs (and 3 128-byte lines, 384 bytes, where 1
+    # would hold what it reads); every byte of x is read once
+    assert counted == {0: {"requested": x.nbytes, "sectors": 3 * x.nbytes // 32, "lines": 3 * x.nbytes // 128, "distinct": x.nbytes}}
     with pytest.raises(MemoryError, match="outside the arrays"):
         launch(_SUM_PTX, (2,), [x[:300].copy(), out, 3])
     with pytest.raises(MemoryError, match="misaligned"):
@@ -639,6 +640,44 @@ def test_gluon_gemv_reads_its_words_in_whole_sectors(tmp_path):
         words = row["words"]
         assert words["sector_use"] == 1.0, row
         assert ("prefetch" in row["kernel"]) == (words["requested_per_weight_byte"] > words["distinct_per_weight_byte"]), row
+    # x in shared memory: copied in whole sectors, read back free of bank conflicts, and a third or
+    # less of the wavefronts x takes read from global memory
+    held = {row["kernel"].replace(", x in shared memory", ""): row for row in rows if "x in shared memory" in row["kernel"]}
+    assert len(held) == sum(launch.xsmem for launch in SERVED) >= 8
+    for name, row in held.items():
+        assert row["x"]["sector_use"] == 1.0 and row["shared"]["bank_conflicts"] == 0, row
+        loaded = next((r for r in rows if r["kernel"] == name), None)  # the same launch, x from global memory
+        if loaded is not None:
+            x_waves = row["x"]["wavefronts_per_weight_byte"] + row["shared"]["wavefronts_per_weight_byte"]
+            assert 3 * x_waves <= loaded["x"]["wavefronts_per_weight_byte"] and loaded["shared"]["wavefronts_per_weight_byte"] == 0, (row, loaded)
+
+
+def test_ptx_emulator_counts_the_l1_wavefronts_of_global_and_shared_loads():
+    """The L1 wavefronts `gemv_l1_model.py` fits the GEMV's times to: a warp's global load takes
+    one per 128-byte line it touches, a shared load one per 128 bytes of each phase's worst bank
+    (16-byte loads go 8 threads a phase): a warp's 16-byte loads 64 bytes apart touch 16 lines,
+    and in shared memory conflict 4 ways unless swizzled as `_x_to_shared` does."""
+    import numpy as np
+
+    from benchmarks.ptx_emulator import Memory
+
+    lanes = np.arange(32)
+    memory = Memory([np.zeros(4096, np.uint8)], base=1 << 20)
+    memory.traffic = {}
+    base = np.uint64(memory.addresses[0])
+    memory.count(base + np.uint64(16) * lanes.astype(np.uint64), 16, lanes)  # 512 contiguous bytes
+    assert memory.traffic[0]["lines"] == 4 and memory.traffic[0]["sectors"] == 16
+    memory.count(base + np.uint64(64) * lanes.astype(np.uint64), 16, lanes)  # 16 bytes of every 64: half of each sector
+    assert memory.traffic[0]["lines"] == 4 + 16 and memory.traffic[0]["sectors"] == 16 + 32
+    shared = Memory([np.zeros(4096, np.uint8)], base=0)
+    shared.traffic = memory.traffic
+    shared.count_banks(np.uint64(64) * lanes.astype(np.uint64), 16, lanes)  # each thread's tile's first 16 bytes, unswizzled
+    assert memory.traffic["shared"] == {"loads": 1, "wavefronts": 4 * 4, "conflicts": 4 * 3}
+    swizzled = (lanes // 2 % 4).astype(np.uint64)  # piece 0 ^ (tile // 2 % 4)
+    shared.count_banks(np.uint64(64) * lanes.astype(np.uint64) + np.uint64(16) * swizzled, 16, lanes)
+    assert memory.traffic["shared"] == {"loads": 2, "wavefronts": 16 + 4, "conflicts": 12}
+    shared.count_banks(np.zeros(32, np.uint64), 4, lanes)  # one word to every thread: a broadcast
+    assert memory.traffic["shared"] == {"loads": 3, "wavefronts": 16 + 4 + 1, "conflicts": 12}
 
 
 # each of 32 threads copies its 16 bytes of x into shared memory with cp.async, in two commit
