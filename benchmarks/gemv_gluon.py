@@ -37,7 +37,7 @@ def compiled(launch: Launch, interleaved: int, group: int = 128):
     constants = dict(GROUP=group, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
                      WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec, XSMEM=launch.xsmem,
                      XITERS=4096 // (8 * launch.words) if launch.xsmem else 0, **ON_HOPPER)
-    return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True)
+    return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True, maxnreg=launch.maxnreg or None)
 
 
 def sass_counts() -> list[dict]:

@@ -49,7 +49,7 @@ POINTERS = {"x_ptr": "fp16", "y_ptr": "fp16", "out_ptr": "fp16", "packed_ptr": "
 
 
 def compile_for(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, num_warps: int = 4, num_stages: int = 3,
-                aligned: bool = False, unaligned: tuple[str, ...] = ()):
+                aligned: bool = False, unaligned: tuple[str, ...] = (), maxnreg: int | None = None):
     """The kernel compiled for compute capability `arch` (its `.asm`: ptx, cubin), given its
     constexpr arguments. aligned: every pointer and integer argument (but those `unaligned`)
     divisible by 16, as Triton specializes a launch on 4096-wide layers (for the GEMM, also a
@@ -68,7 +68,7 @@ def compile_for(kernel, constexprs: dict, activations: str = "fp16", arch: int =
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource  # compressors/packed_int_gluon.py's kernel is Gluon
     return triton.compile(source(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})})
 
 
 def ptxas_notes(compiled, arch: int = 90) -> str:

@@ -267,6 +267,7 @@ class Launch(NamedTuple):
     warps: int
     vec: int = 4  # a thread's words a row: runs of 4 consecutive words (8: two runs, a warp's runs apart)
     xsmem: int = 0  # all of x in shared memory, loaded once per block (`_x_to_shared`; xvec is then moot)
+    maxnreg: int = 0  # registers a thread at most (0: as ptxas allocates), where fewer fit another block on each SM
 
     @property
     def block_n(self) -> int:
@@ -278,7 +279,8 @@ class Launch(NamedTuple):
 
     def __str__(self) -> str:
         return (f"{'half2' if self.half2 else 'fp32'} {self.block_n}x{self.words} ({self.rows} row{'s' if self.rows > 1 else ''} x {self.vec} words "
-                f"a thread), {self.warps} warps" + (", prefetch" if self.prefetch else "") + (", x in shared memory" if self.xsmem else "" if self.xvec else ", x by 4-byte loads"))
+                f"a thread), {self.warps} warps" + (", prefetch" if self.prefetch else "") + (", x in shared memory" if self.xsmem else "" if self.xvec else ", x by 4-byte loads")
+                + (f", at most {self.maxnreg} registers" if self.maxnreg else ""))
 
 
 LAUNCHES = [Launch(*shape) for shape in [
@@ -286,7 +288,7 @@ LAUNCHES = [Launch(*shape) for shape in [
     (1, 1, 2, 0, 1, 2), (1, 2, 2, 0, 1, 2), (1, 2, 2, 0, 0, 4), (1, 1, 2, 0, 0, 4), (1, 4, 2, 0, 0, 4),
     (1, 1, 4, 0, 1, 4, 8), (1, 2, 4, 0, 1, 4, 8), (1, 1, 8, 0, 1, 8, 8), (1, 2, 8, 0, 1, 8, 8),
     (1, 2, 4, 1, 1, 4), (1, 1, 4, 1, 1, 4), (1, 2, 8, 1, 1, 8),
-    (1, 1, 4, 0, 1, 4, 4, 1), (1, 2, 4, 0, 1, 4, 4, 1), (1, 4, 4, 0, 1, 4, 4, 1), (1, 2, 8, 0, 1, 8, 4, 1), (1, 2, 2, 0, 1, 4, 4, 1),
+    (1, 1, 4, 0, 1, 4, 4, 1), (1, 2, 4, 0, 1, 4, 4, 1), (1, 4, 4, 0, 1, 4, 4, 1, 72), (1, 2, 8, 0, 1, 8, 4, 1), (1, 2, 2, 0, 1, 4, 4, 1),
     (1, 4, 2, 0, 1, 4, 4, 1), (1, 2, 4, 0, 1, 4, 8, 1), (1, 2, 4, 1, 1, 4, 4, 1),
     (0, 1, 4, 0, 1, 4), (0, 2, 4, 0, 1, 4), (0, 4, 4, 0, 1, 4), (0, 1, 8, 0, 1, 8), (0, 2, 8, 0, 1, 8), (0, 1, 4, 0, 1, 4, 8),
 ]]
@@ -300,7 +302,7 @@ def run(x, weight, y, launch: Launch):
                                                  WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec, WARPS=launch.warps,
                                                  INTERLEAVED=int(weight.interleaved), VEC=launch.vec, XSMEM=launch.xsmem,
                                                  XITERS=weight.columns // (8 * launch.words) if launch.xsmem else 0, num_warps=launch.warps,
-                                                 **pdl_launch(x.device))
+                                                 **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}), **pdl_launch(x.device))
     return y
 
 
