@@ -26,17 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if {"--sass", "--emulate", "--traffic"} & set(sys.argv):  # compile for sm_90, not interpret: set before triton is imported
     os.environ["TRITON_INTERPRET"] = "0"
 
-from compressors.packed_int_gluon import LAUNCHES, Launch, gemv_gluon, run  # noqa: E402
+from compressors.packed_int_gluon import LAUNCHES, Launch, gemv_gluon, run, x_iterations  # noqa: E402
 
 
-def compiled(launch: Launch, interleaved: int, group: int = 128):
-    """The launch compiled for sm_90 (here, no GPU needed), as on 4096-wide layers (aligned),
-    and as served there: a programmatic dependent (ON_HOPPER)."""
+def compiled(launch: Launch, interleaved: int, group: int = 128, columns: int = 4096):
+    """The launch compiled for sm_90 (here, no GPU needed), as on `columns`-wide layers (aligned:
+    4096 by default), and as served there: a programmatic dependent (ON_HOPPER)."""
     from benchmarks.kernel_sass import ON_HOPPER, compile_for
 
     constants = dict(GROUP=group, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
                      WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec, XSMEM=launch.xsmem,
-                     XITERS=4096 // (8 * launch.words) if launch.xsmem else 0, **ON_HOPPER)
+                     XITERS=x_iterations(launch, columns), **ON_HOPPER)
     return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True, maxnreg=launch.maxnreg or None)
 
 
@@ -78,7 +78,7 @@ def emulated(launches: list[Launch], rows: int = 32, columns: int = 4096) -> lis
         stored = weight.interleave() if interleaved else weight
         for launch in launches:
             y = np.full(rows, np.nan, np.float16)  # rows a launch leaves unwritten show as NaN error
-            emulate(compiled(launch, interleaved, stored.group_size).asm["ptx"], (rows // launch.block_n,),
+            emulate(compiled(launch, interleaved, stored.group_size, columns).asm["ptx"], (rows // launch.block_n,),
                     [x.numpy(), stored.packed.numpy(), stored.scale.numpy(), y, rows, columns, stored.packed.stride(0), stored.scale.stride(0)])
             error = ((torch.from_numpy(y).float() - reference).norm() / reference.norm()).item()
             results.append(dict(launch=str(launch), layout="interleaved" if interleaved else "unit order", group=group or "per channel", rel_error=error))
@@ -110,7 +110,7 @@ def traffic(launches: list[Launch] | None = None, rows: int = 64, columns: int =
     needed = weight.packed.numel() * 4 + weight.scale.numel() * 2  # bytes the weight is: read once, at best
     kernels = []  # (name, ptx, grid, arguments); both kernels take x, then the words, then the scales
     for launch in launches or SERVED:
-        kernels.append((f"Gluon {launch}", compiled(launch, int(interleaved)).asm["ptx"], (rows // launch.block_n,),
+        kernels.append((f"Gluon {launch}", compiled(launch, int(interleaved), columns=columns).asm["ptx"], (rows // launch.block_n,),
                         [x.numpy(), weight.packed.numpy(), weight.scale.numpy(), np.zeros(rows, np.float16), rows, columns,
                          weight.packed.stride(0), weight.scale.stride(0)]))
     _, tensors, strides, flags = weight._launch

@@ -12,8 +12,8 @@
 #             $SPEED_ARGS, each kind also with programmatic dependent launch off (LMPRESS_PDL=0);
 #   gemv      benchmarks/gemv_variants.py --production: the int4 GEMV at every launch shape the tuner
 #             may pick, both layouts, at realistic layer shapes (compiled first on $COMPILE_WORKERS)
-#   gluon     benchmarks/gemv_gluon.py: the batch-1 int4 GEMV written in Gluon (no shared memory in its
-#             loop; compressors/packed_int_gluon.py), at each of its launches, beside fp16 and the grid
+#   gluon     benchmarks/gemv_gluon.py: the batch-1 int4 GEMV written in Gluon (no barrier in its loop;
+#             compressors/packed_int_gluon.py), at each of its launches, beside fp16 and the grid
 #             GEMV (autotuned, both layouts), and what serving picked per shape (the faster)
 #   mma       benchmarks/gemv_mma.py: the batch-1 int4 GEMV on the tensor cores (an experiment, each
 #             word decoded into its mma.sync fragment), at each of its launches, beside fp16 and the

@@ -171,7 +171,7 @@ class Memory:
     """A memory space (global, or a block's shared): numpy arrays in one byte array at 256-byte aligned addresses."""
 
     def __init__(self, arrays: list[np.ndarray], base: int = 1 << 20):  # global: no valid pointer is near 0
-        self.traffic: dict[int, dict] | None = None  # reads per array, when counted (`launch(traffic=...)`)
+        self.traffic: dict | None = None  # reads per array index, and "shared" (bank wavefronts), when counted (`launch(traffic=...)`)
         self.base, self.addresses, offset = base, [], 0
         for array in arrays:
             self.addresses.append(base + offset)

@@ -8,8 +8,12 @@ up with its words: the grid GEMV (`_grid_gemv_kernel`) moves x through shared me
 about 36 instructions a word. Here the layout is stated: a thread holds ROWS rows x VEC
 words in runs of 4 consecutive words (one 16-byte load a row each; VEC 8: two runs, a warp's
 width of runs apart, so each warp load uses whole sectors) and the 8 VEC x values those words
-cover (XVEC: 16-byte loads, from L1), so the loop touches no shared memory and has no barrier:
-19-24 instructions a word in half2 on sm_90 (benchmarks/results/gemv_gluon_sass.md).
+cover (XVEC: 16-byte loads, from L1), so the loop has no barrier: 19-24 instructions a word
+in half2 on sm_90 (benchmarks/results/gemv_gluon_sass.md). Loaded so, each warp's x load touches
+16 cache lines for 512 bytes, and those L1 wavefronts cost time on a GPU
+(benchmarks/results/gemv_l1_model.md); XSMEM launches copy all of x into shared memory once per
+block instead (`_x_to_shared`) and read it back free of bank conflicts, one barrier before the
+loop and none in it.
 
 The product, per word (HALF2=1): the 8 codes decode (lop3, the magic-number trick) straight to
 (code - 8) / 32 in half2 pairs (j, j + 4), exact; x is taken as half2 pairs (x_j, x_j+4) (in unit
@@ -263,7 +267,7 @@ class Launch(NamedTuple):
     rows: int  # a thread's rows
     warps_n: int  # warps along the rows (the rest along the words)
     prefetch: int
-    xvec: int  # x in 16-byte loads (needs warps_n == warps: x's layout then matches the words')
+    xvec: int  # x in 16-byte loads from global memory (needs warps_n == warps: x's layout then matches the words')
     warps: int
     vec: int = 4  # a thread's words a row: runs of 4 consecutive words (8: two runs, a warp's runs apart)
     xsmem: int = 0  # all of x in shared memory, loaded once per block (`_x_to_shared`; xvec is then moot)
@@ -301,12 +305,12 @@ def run(x, weight, y, launch: Launch):
                                                  weight.scale.stride(0), GROUP=weight.group_size, HALF2=launch.half2, ROWS=launch.rows,
                                                  WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec, WARPS=launch.warps,
                                                  INTERLEAVED=int(weight.interleaved), VEC=launch.vec, XSMEM=launch.xsmem,
-                                                 XITERS=weight.columns // (8 * launch.words) if launch.xsmem else 0, num_warps=launch.warps,
+                                                 XITERS=x_iterations(launch, weight.columns), num_warps=launch.warps,
                                                  **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}), **pdl_launch(x.device))
     return y
 
 
-# The launches `served_launch` times against the grid GEMV: every half2 one (18; a layer shape's
+# The launches `served_launch` times against the grid GEMV: every half2 one (26; a layer shape's
 # first call compiles and times them). Not only those whose loops compiled shortest
 # for sm_90 (no prefetch, 16-byte x loads; benchmarks/results/gemv_gluon_sass.md): on an H200 the
 # fastest interleaved launch at 4096x4096 and 4096x14336 loads x in 4 bytes, and the next one
@@ -314,10 +318,16 @@ def run(x, weight, y, launch: Launch):
 SERVED = [launch for launch in LAUNCHES if launch.half2]
 
 
+def x_iterations(launch: Launch, columns: int) -> int:
+    """The XITERS a launch takes at this K: its loop's iterations where it holds x in shared
+    memory (sized at compile time), else 0."""
+    return columns // (8 * launch.words) if launch.xsmem else 0
+
+
 def fits(weight, launch: Launch) -> bool:
     """Whether `launch` computes x @ weight^T: a symmetric 4-bit grid (no codebook, no 2:4) whose
     groups hold whole words (per-channel too), rows a whole number of the launch's blocks and K
-    of its blocks along K (the kernel has no masks)."""
+    of its blocks along K (the kernel has no masks); x in shared memory at most X_SHARED_BYTES."""
     plain = weight.bits == 4 and weight.zero is None and weight.codebook is None and weight.bitmask is None and weight.scale is not None
     return (plain and weight.group_size % 8 == 0 and weight.columns % weight.group_size == 0 and weight.rows % launch.block_n == 0
             and weight.columns % (8 * launch.words) == 0 and (not launch.xsmem or weight.columns * 2 <= X_SHARED_BYTES))

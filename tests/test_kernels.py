@@ -614,7 +614,7 @@ def test_gluon_gemv_computes_as_compiled_for_hopper(tmp_path):
     layouts and per channel, at launches covering each of its code paths (half2 and fp32
     arithmetic; 1, 2 and 4 rows and 4 or 8 words a thread; x by 4-byte loads with warps split
     along K, whose sum crosses warps in shared memory; prefetch), every launch serving may pick
-    among them: y within fp16 rounding of the reference. (Without --launches it runs all 24.)"""
+    among them: y within fp16 rounding of the reference. (Without --launches it runs all 32.)"""
     from compressors.packed_int_gluon import LAUNCHES, SERVED
 
     others = [LAUNCHES.index(launch) for launch in LAUNCHES if launch not in SERVED]
@@ -640,23 +640,27 @@ def test_gluon_gemv_reads_its_words_in_whole_sectors(tmp_path):
         words = row["words"]
         assert words["sector_use"] == 1.0, row
         assert ("prefetch" in row["kernel"]) == (words["requested_per_weight_byte"] > words["distinct_per_weight_byte"]), row
-    # x in shared memory: copied in whole sectors, read back free of bank conflicts, and a third or
-    # less of the wavefronts x takes read from global memory
-    held = {re.sub(r", x in shared memory|, at most \d+ registers", "", row["kernel"]): row for row in rows if "x in shared memory" in row["kernel"]}
+    # x in shared memory: copied in whole sectors, read back free of bank conflicts, and at most
+    # 1 / 2.4 of the wavefronts x takes where the same launch reads it from global memory (2.5-4x
+    # fewer: launches with warps along K copy x for fewer rows a block)
+    def launch_shape(row):  # the launch without how it takes x
+        return re.sub(r", x in shared memory|, x by 4-byte loads|, at most \d+ registers", "", row["kernel"])
+
+    held = [row for row in rows if "x in shared memory" in row["kernel"]]
     assert len(held) == sum(launch.xsmem for launch in SERVED) >= 8
-    for name, row in held.items():
+    for row in held:
         assert row["x"]["sector_use"] == 1.0 and row["shared"]["bank_conflicts"] == 0, row
-        loaded = next((r for r in rows if r["kernel"] == name), None)  # the same launch, x from global memory
-        if loaded is not None:
-            x_waves = row["x"]["wavefronts_per_weight_byte"] + row["shared"]["wavefronts_per_weight_byte"]
-            assert 3 * x_waves <= loaded["x"]["wavefronts_per_weight_byte"] and loaded["shared"]["wavefronts_per_weight_byte"] == 0, (row, loaded)
+        (loaded,) = [r for r in rows if "x in shared memory" not in r["kernel"] and launch_shape(r) == launch_shape(row)]
+        x_waves = row["x"]["wavefronts_per_weight_byte"] + row["shared"]["wavefronts_per_weight_byte"]
+        assert 2.4 * x_waves <= loaded["x"]["wavefronts_per_weight_byte"], (row, loaded)
 
 
 def test_ptx_emulator_counts_the_l1_wavefronts_of_global_and_shared_loads():
     """The L1 wavefronts `gemv_l1_model.py` fits the GEMV's times to: a warp's global load takes
-    one per 128-byte line it touches, a shared load one per 128 bytes of each phase's worst bank
-    (16-byte loads go 8 threads a phase): a warp's 16-byte loads 64 bytes apart touch 16 lines,
-    and in shared memory conflict 4 ways unless swizzled as `_x_to_shared` does."""
+    one per 128-byte line it touches; a shared load goes in phases (8 threads each for 16-byte
+    loads), each taking as many wavefronts as the most distinct words one bank holds in it. A
+    warp's 16-byte loads 64 bytes apart touch 16 lines, and in shared memory conflict 4 ways
+    unless swizzled as `_x_to_shared` does."""
     import numpy as np
 
     from benchmarks.ptx_emulator import Memory
@@ -855,6 +859,10 @@ def test_gluon_gemv_serves_only_the_weights_it_fits(monkeypatch):
         assert not packed_int_gluon.fits(weight, launch), weight
     for columns in (4096, 14336):  # the layer widths it is meant for: every launch serving may pick takes them
         assert all(packed_int_gluon.fits(random_packed(4, 64, columns, 128), served) for served in packed_int_gluon.SERVED)
+    wide = random_packed(4, 8, packed_int_gluon.X_SHARED_BYTES // 2 + 1024, 128)  # x past what a launch holds in shared memory
+    held = packed_int_gluon.Launch(1, 2, 4, 0, 1, 4, xsmem=1)
+    assert packed_int_gluon.fits(wide, launch) and not packed_int_gluon.fits(wide, held)
+    assert packed_int_gluon.fits(random_packed(4, 8, packed_int_gluon.X_SHARED_BYTES // 2, 128), held)
     weight, x = random_packed(4, 64, 2048, 128), torch.randn(1, 2048).half()
     never = lambda: pytest.fail("timed on the CPU")  # noqa: E731
     assert packed_int_gluon.served_launch(x, weight, never) is None  # the CPU
