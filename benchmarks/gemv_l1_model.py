@@ -34,10 +34,39 @@ from compressors.packed_int_gluon import LAUNCHES  # noqa: E402
 SMS, CLOCK = 132, 1.98e9  # H100 SXM and H200: streaming multiprocessors, boost clock
 
 
+def total_wavefronts(row: dict) -> float:
+    """L1 wavefronts of all a kernel's loads per byte of the weight, from its traffic row."""
+    return sum(entry["wavefronts_per_weight_byte"] for name, entry in row.items() if name != "kernel")
+
+
 def wavefronts_per_byte(launch, interleaved: bool) -> float:
     """L1 wavefronts of all the launch's loads per byte of the weight (words and scales)."""
     (row,) = traffic([launch], interleaved=interleaved)
-    return sum(entry["wavefronts_per_weight_byte"] for name, entry in row.items() if name != "kernel")
+    return total_wavefronts(row)
+
+
+def predicted_us(fit: dict, shape: str, per_byte: float) -> float:
+    """The fit's time for a kernel taking `per_byte` wavefronts a weight byte at this shape."""
+    return (fit["fixed_us"] * 1e-6 + weight_bytes(shape) * (1 / (fit["rate_TBps"] * 1e12) + per_byte * fit["wavefront_ps"] * 1e-12)) * 1e6
+
+
+def out_of_sample(timings: Path, fits: dict) -> list[dict]:
+    """The tensor-core GEMV (benchmarks/gemv_mma.py), which the fit never saw: its batch-1
+    timings beside what the fit predicts from its own wavefronts, counted the same way. Its
+    launches with at least MIN_WARPS warps an SM only."""
+    from benchmarks import gemv_mma
+
+    counted = {row["kernel"].removeprefix("mma "): total_wavefronts(row) for row in gemv_mma.traffic(gemv_mma.LAUNCHES)}
+    launches = {str(launch): launch for launch in gemv_mma.LAUNCHES}
+    rows = []
+    for r in json.loads(timings.read_text()):
+        launch = launches.get(r["launch"])
+        if r["batch"] != 1 or r["launch"] not in counted or int(r["shape"].split("x")[0]) // launch.block_n * launch.wk / SMS < MIN_WARPS:
+            continue
+        rows.append(dict(shape=r["shape"], launch=r["launch"], measured_us=r["us"], wavefronts_per_byte=round(counted[r["launch"]], 4),
+                         predicted_us={f: round(predicted_us(m, r["shape"], counted[r["launch"]]), 2) for f, m in fits.items()}))
+        print(f"mma {r['shape']} {r['launch']}: measured {r['us']} us, predicted {rows[-1]['predicted_us']}", flush=True)
+    return rows
 
 
 def warps_per_sm(launch, shape: str) -> float:
@@ -66,8 +95,8 @@ def fit(nbytes, waves, seconds, rate: float | None = None) -> dict:
     fixed, per_wave = solved[:2]
     per_byte = 1 / rate if rate else solved[2]
     predicted = fixed + nbytes * per_byte + waves * per_wave
-    return dict(fixed_us=fixed * 1e6, rate_TBps=1 / per_byte / 1e12, wavefront_ps=per_wave * 1e12, rate_fitted=rate is None,
-                r2=1 - ((seconds - predicted) ** 2).sum() / ((seconds - seconds.mean()) ** 2).sum(),
+    return dict(fixed_us=float(fixed * 1e6), rate_TBps=float(1 / per_byte / 1e12), wavefront_ps=float(per_wave * 1e12), rate_fitted=rate is None,
+                r2=float(1 - ((seconds - predicted) ** 2).sum() / ((seconds - seconds.mean()) ** 2).sum()),
                 median_abs_error=float(np.median(np.abs(predicted - seconds) / seconds)))
 
 
@@ -94,6 +123,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--timings", type=Path, default=Path("benchmarks/results/gemv_gluon_h200.json"))
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_l1_model"))
+    parser.add_argument("--mma-timings", type=Path, default=Path("benchmarks/results/gemv_mma_h200.json"),
+                        help="the tensor-core GEMV's timings, predicted out of sample (none: skip)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     timed = [r for r in json.loads(args.timings.read_text()) if r["launch"].startswith("half2")]
@@ -123,14 +154,15 @@ def main() -> None:
             n, k = map(int, shape.split("x"))
             if n % launch.block_n or (k // 8) % launch.words:
                 continue
-            us = {f: (m["fixed_us"] * 1e-6 + weight_bytes(shape) * (1 / (m["rate_TBps"] * 1e12) + per * m["wavefront_ps"] * 1e-12)) * 1e6
-                  for f, m in fits.items()}
+            us = {f: predicted_us(m, shape, per) for f, m in fits.items()}
             measured = next((r["us"] for r in timed if (r["launch"], r["layout"], r["shape"]) == (name, layout, shape)), None)
             predictions.append(dict(launch=name, layout=layout, shape=shape, wavefronts_per_byte=round(per, 4), fp16_us=fp16_us, measured_us=measured,
                                     predicted_us={f: round(t, 2) for f, t in us.items()}, predicted_speedup={f: round(fp16_us / t, 2) for f, t in us.items()},
                                     warps_per_sm=round(warps_per_sm(launch, shape), 1), in_fit=warps_per_sm(launch, shape) >= MIN_WARPS))
+    mma = out_of_sample(args.mma_timings, fits) if args.mma_timings.name != "none" else []
     (args.out / "gemv_l1_model.json").write_text(json.dumps(dict(fits=fits, max_fit=overlapped, timings=str(args.timings), min_warps_per_sm=MIN_WARPS,
-                                                                one_wavefront_a_cycle_ps=1e12 / (SMS * CLOCK), predictions=predictions), indent=1))
+                                                                one_wavefront_a_cycle_ps=1e12 / (SMS * CLOCK), predictions=predictions,
+                                                                mma_out_of_sample=mma), indent=1))
     for shape in fp16:
         best = sorted((p for p in predictions if p["shape"] == shape and p["layout"] == "interleaved" and p["in_fit"]),
                       key=lambda p: p["predicted_us"]["cuBLAS rate"])[:5]
