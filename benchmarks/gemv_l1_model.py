@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ["TRITON_INTERPRET"] = "0"  # compiled for sm_90, not interpreted: before triton is imported
+if __name__ == "__main__":  # the kernels compiled for sm_90, not interpreted: before triton is imported
+    os.environ["TRITON_INTERPRET"] = "0"
 
-from benchmarks.gemv_gluon import traffic  # noqa: E402
 from compressors.packed_int_gluon import LAUNCHES  # noqa: E402
 
 SMS, CLOCK = 132, 1.98e9  # H100 SXM and H200: streaming multiprocessors, boost clock
@@ -41,6 +41,8 @@ def total_wavefronts(row: dict) -> float:
 
 def wavefronts_per_byte(launch, interleaved: bool) -> float:
     """L1 wavefronts of all the launch's loads per byte of the weight (words and scales)."""
+    from benchmarks.gemv_gluon import traffic
+
     (row,) = traffic([launch], interleaved=interleaved)
     return total_wavefronts(row)
 

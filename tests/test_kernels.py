@@ -655,6 +655,25 @@ def test_gluon_gemv_reads_its_words_in_whole_sectors(tmp_path):
         assert 2.4 * x_waves <= loaded["x"]["wavefronts_per_weight_byte"], (row, loaded)
 
 
+def test_l1_model_fits_recover_the_costs_that_made_the_times():
+    """benchmarks/gemv_l1_model.py's fits, on times made from known costs (fixed 2 us, 4 TB/s,
+    3.5 ps a wavefront) over kernels of different wavefronts and sizes: the sum fit recovers
+    them exactly, with the rate free or held; the max(DRAM, L1) fit finds the max model's own."""
+    import numpy as np
+
+    from benchmarks.gemv_l1_model import fit, fit_max
+
+    nbytes = np.array([8.4e6, 29.4e6, 29.4e6, 8.4e6, 29.4e6, 8.4e6])
+    waves = nbytes * np.array([0.02, 0.03, 0.08, 0.14, 0.14, 0.05])
+    seconds = 2e-6 + nbytes / 4e12 + waves * 3.5e-12
+    for found in (fit(nbytes, waves, seconds), fit(nbytes, waves, seconds, rate=4e12)):
+        assert found["r2"] > 0.999999 and abs(found["fixed_us"] - 2) < 1e-6 and abs(found["rate_TBps"] - 4) < 1e-6, found
+        assert abs(found["wavefront_ps"] - 3.5) < 1e-6 and found["median_abs_error"] < 1e-9, found
+    overlapped = 1e-6 + np.maximum(nbytes / 5e12, waves * 4e-12)
+    found = fit_max(nbytes, waves, overlapped)
+    assert abs(found["rate_TBps"] - 5) < 1e-9 and abs(found["wavefront_ps"] - 4) < 1e-9 and found["r2"] > 0.999999, found
+
+
 def test_ptx_emulator_counts_the_l1_wavefronts_of_global_and_shared_loads():
     """The L1 wavefronts `gemv_l1_model.py` fits the GEMV's times to: a warp's global load takes
     one per 128-byte line it touches; a shared load goes in phases (8 threads each for 16-byte
