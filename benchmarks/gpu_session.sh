@@ -28,7 +28,8 @@ step() {
     echo "=== rc $? at ${SECONDS}s"  # (timeout signals the step's whole process group: its compile workers too)
 }
 # the sweep compiles 32 launches x 2 layouts, the shared-memory ones once per K as well (about 100
-# kernels, one after another; 48 took 57 s with their timing on the H200), so it gets the most time
+# kernels, the served ones first on 14 processes; stop 60's 48 took 57 s with their timing), and
+# times each at 3 shapes: it gets the most time
 step 220 bash benchmarks/gpu_check.sh gluon
 step 160 env SPEED_ARGS="--kinds int4-interleaved --batches 1" bash benchmarks/gpu_check.sh speed
 step 70 env TESTS_K="gluon_gemv_matches or cuda_graphs or wrong_width" bash benchmarks/gpu_check.sh tests
