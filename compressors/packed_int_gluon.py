@@ -78,17 +78,21 @@ _AWAIT_INPUTS = gl.constexpr("{\ngriddepcontrol.wait;\ngriddepcontrol.launch_dep
 
 
 @gluon.jit
-def _await_inputs(packed_ptr, scale_ptr, block, stride_pn, stride_sn, ROWS: gl.constexpr, WARPS_N: gl.constexpr, WARPS: gl.constexpr,
-                  VEC: gl.constexpr):
+def _await_inputs(packed_ptr, scale_ptr, block, stride_pn, stride_sn, span, ROWS: gl.constexpr, WARPS_N: gl.constexpr, WARPS: gl.constexpr,
+                  VEC: gl.constexpr, AHEAD: gl.constexpr = 1):
     """Launched as a programmatic dependent (`pdl_launch`), a program may start before the
-    kernel ahead of it has finished: it prefetches into L2 its rows' first words (each thread
-    its own runs) and scales, which serving never writes, then waits for that kernel before the
+    kernel ahead of it has finished: it prefetches into L2 its rows' words of the first AHEAD
+    iterations (each thread its own runs; past the row's `span` words, the last iteration's
+    again) and first scales, which serving never writes, then waits for that kernel before the
     loop reads x, as packed_int's `_await_inputs` does."""
     LF: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])  # a thread's rows, at its runs' first words
     rows = block * (ROWS * WARPS_N) + gl.arange(0, ROWS * WARPS_N, layout=gl.SliceLayout(1, LF))
     runs = gl.arange(0, 8 * VEC * (WARPS // WARPS_N), layout=gl.SliceLayout(0, LF)) * 4  # the block's VEC * 32 * warps-along-K words, by runs of 4
-    gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [packed_ptr + gl.expand_dims(rows * stride_pn, 1) + gl.expand_dims(runs, 0)], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    words = packed_ptr + gl.expand_dims(rows * stride_pn, 1) + gl.expand_dims(runs, 0)
+    gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [words], dtype=gl.int32, is_pure=False, pack=1)
+    for i in gl.static_range(1, AHEAD):
+        gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [words + gl.minimum(i * (32 * VEC * (WARPS // WARPS_N)), span - 32 * VEC * (WARPS // WARPS_N))],
+                                  dtype=gl.int32, is_pure=False, pack=1)
     gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [scale_ptr + rows * stride_sn], dtype=gl.int32, is_pure=False, pack=1)
     await_predecessor(WARPS)
 
@@ -205,8 +209,8 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
     w_rows = packed_ptr + gl.expand_dims(rn * stride_pn, 1)
     s_rows = scale_ptr + gl.expand_dims(rn * stride_sn, 1)
     ru = gl.arange(0, WORDS, layout=LU)
-    if PDL:
-        _await_inputs(packed_ptr, scale_ptr, gl.program_id(0), stride_pn, stride_sn, ROWS, WARPS_N, WARPS, VEC)
+    if PDL:  # where x is copied to shared memory first, a block's first loads of words wait for it: more words to L2 while it flies
+        _await_inputs(packed_ptr, scale_ptr, gl.program_id(0), stride_pn, stride_sn, span, ROWS, WARPS_N, WARPS, VEC, 3 if XSMEM else 1)
     # a thread's tiles of x (16 pairs: 4 units' x) in shared memory, read as [16, tiles]: lanes and warps
     # laid out as LW's along the words (so the pairs reach LU in each thread's registers, not through shared memory)
     LT: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
