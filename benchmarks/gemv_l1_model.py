@@ -63,7 +63,7 @@ def out_of_sample(timings: Path, fits: dict) -> list[dict]:
     rows = []
     for r in json.loads(timings.read_text()):
         launch = launches.get(r["launch"])
-        if r["batch"] != 1 or r["launch"] not in counted or int(r["shape"].split("x")[0]) // launch.block_n * launch.wk / SMS < MIN_WARPS:
+        if r["batch"] != 1 or r["launch"] not in counted or warps_per_sm(launch.block_n, launch.wk, r["shape"]) < MIN_WARPS:
             continue
         rows.append(dict(shape=r["shape"], launch=r["launch"], measured_us=r["us"], wavefronts_per_byte=round(counted[r["launch"]], 4),
                          predicted_us={f: round(predicted_us(m, r["shape"], counted[r["launch"]]), 2) for f, m in fits.items()}))
@@ -71,11 +71,15 @@ def out_of_sample(timings: Path, fits: dict) -> list[dict]:
     return rows
 
 
-def warps_per_sm(launch, shape: str) -> float:
-    """The launch's warps at this shape, per SM: under MIN_WARPS too few to hide the loads'
-    latency, which the fit leaves out (on the H200, 16-row blocks of 4 warps at 4096 rows took
-    twice their 4096x14336 time at 14336 rows)."""
-    return int(shape.split("x")[0]) // launch.block_n * launch.warps / SMS
+def warps_per_sm(block_n: int, warps: int, shape: str) -> float:
+    """A launch's warps at this shape, per SM (blocks of `block_n` rows and `warps` warps): under
+    MIN_WARPS too few to hide the loads' latency, which the fit leaves out (on the H200, 16-row
+    blocks of 4 warps at 4096 rows took twice their 4096x14336 time at 14336 rows)."""
+    return int(shape.split("x")[0]) // block_n * warps / SMS
+
+
+def r_squared(seconds, predicted) -> float:
+    return float(1 - ((seconds - predicted) ** 2).sum() / ((seconds - seconds.mean()) ** 2).sum())
 
 
 MIN_WARPS = 12
@@ -98,7 +102,7 @@ def fit(nbytes, waves, seconds, rate: float | None = None) -> dict:
     per_byte = 1 / rate if rate else solved[2]
     predicted = fixed + nbytes * per_byte + waves * per_wave
     return dict(fixed_us=float(fixed * 1e6), rate_TBps=float(1 / per_byte / 1e12), wavefront_ps=float(per_wave * 1e12), rate_fitted=rate is None,
-                r2=float(1 - ((seconds - predicted) ** 2).sum() / ((seconds - seconds.mean()) ** 2).sum()),
+                r2=r_squared(seconds, predicted),
                 median_abs_error=float(np.median(np.abs(predicted - seconds) / seconds)))
 
 
@@ -113,7 +117,7 @@ def fit_max(nbytes, waves, seconds) -> dict:
         for per_wave in np.linspace(2e-12, 6e-12, 81):
             bound = np.maximum(nbytes / rate, waves * per_wave)
             fixed = (seconds - bound).mean()
-            r2 = 1 - ((seconds - fixed - bound) ** 2).sum() / ((seconds - seconds.mean()) ** 2).sum()
+            r2 = r_squared(seconds, fixed + bound)
             if best is None or r2 > best["r2"]:
                 best = dict(fixed_us=fixed * 1e6, rate_TBps=rate / 1e12, wavefront_ps=per_wave * 1e12, r2=r2)
     return best
@@ -136,7 +140,10 @@ def main() -> None:
         for layout in ("interleaved", "unit order"):
             counted[str(launch), layout] = wavefronts_per_byte(launch, layout == "interleaved")
             print(f"{launch}, {layout}: {counted[str(launch), layout]:.4f} wavefronts a weight byte", flush=True)
-    rows = [r for r in timed if (r["launch"], r["layout"]) in counted and warps_per_sm(by_name[r["launch"]], r["shape"]) >= MIN_WARPS]
+    def warps(name: str, shape: str) -> float:
+        return warps_per_sm(by_name[name].block_n, by_name[name].warps, shape)
+
+    rows = [r for r in timed if (r["launch"], r["layout"]) in counted and warps(r["launch"], r["shape"]) >= MIN_WARPS]
     nbytes = np.array([weight_bytes(r["shape"]) for r in rows], float)
     waves = np.array([counted[r["launch"], r["layout"]] for r in rows]) * nbytes
     seconds = np.array([r["us"] for r in rows]) * 1e-6
@@ -160,7 +167,7 @@ def main() -> None:
             measured = next((r["us"] for r in timed if (r["launch"], r["layout"], r["shape"]) == (name, layout, shape)), None)
             predictions.append(dict(launch=name, layout=layout, shape=shape, wavefronts_per_byte=round(per, 4), fp16_us=fp16_us, measured_us=measured,
                                     predicted_us={f: round(t, 2) for f, t in us.items()}, predicted_speedup={f: round(fp16_us / t, 2) for f, t in us.items()},
-                                    warps_per_sm=round(warps_per_sm(launch, shape), 1), in_fit=warps_per_sm(launch, shape) >= MIN_WARPS))
+                                    warps_per_sm=round(warps(name, shape), 1), in_fit=warps(name, shape) >= MIN_WARPS))
     mma = out_of_sample(args.mma_timings, fits) if args.mma_timings.name != "none" else []
     (args.out / "gemv_l1_model.json").write_text(json.dumps(dict(fits=fits, max_fit=overlapped, timings=str(args.timings), min_warps_per_sm=MIN_WARPS,
                                                                 one_wavefront_a_cycle_ps=1e12 / (SMS * CLOCK), predictions=predictions,
