@@ -12,8 +12,9 @@ cuSPARSELt/CUTLASS) on the same 2:4 weight; each as time and speedup over fp16. 
 time per call, median, replayed from a CUDA graph (no launch overhead, as in serving engines),
 round-robin over copies of the weight that overflow the L2 cache, so weights come from device
 memory (`compressors.kernels.weight_seconds`). At batch 1 it also reports the bandwidth each kernel achieves (bytes it must read / time) as a
-fraction of the device's measured copy bandwidth (a large device-to-device copy), which is the
-roof for a memory-bound GEMV. Results: benchmarks/results/kernel_speed.{json,md}.
+fraction of the device's measured streaming rate, the roof for a memory-bound GEMV: the higher
+of a 1 GiB device-to-device copy (read + write counted) and a 1 GiB read (`read_bandwidth`),
+both reported. Results: benchmarks/results/kernel_speed.{json,md}.
 
 `--pdl-off` also times each kind with programmatic dependent launch off (LMPRESS_PDL=0;
 `compressors.packed_int.pdl_launch`), side by side: on sm_90 the grid kernels launch as
@@ -46,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from compressors import packed_int, packed_int_gluon  # noqa: E402
 from compressors.kernels import gpu_seconds, l2_overflowing_copies, weight_seconds  # noqa: E402
 from compressors.packed_int import PackedWeight, matmul_reference, matmul_triton, random_packed_weight  # noqa: E402
+import triton  # noqa: E402  (after compressors, which selects Triton's backend)
+import triton.language as tl  # noqa: E402
 
 
 # the kinds timed here, as (bits, stored kind) of compressors.packed_int.random_packed_weight
@@ -197,6 +200,46 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() / gpu_seconds([lambda: dst.copy_(src)])
 
 
+# A read-only stream, written here because a GEMV's roof is how fast the device reads, which no
+# library at hand measures: a copy also writes, and on an H200 torch's 1 GiB copy came out at
+# 2.75 TB/s where cuBLAS's fp16 GEMV read 4.3-4.4 (benchmarks/results/gpu_h200.md).
+READ_BLOCK, READ_ITERATIONS = 2048, 8  # 16 words (four 16-byte loads) a thread at 4 warps; 64 KiB a program
+
+
+@triton.jit
+def _xor_words(src_ptr, out_ptr, BLOCK: tl.constexpr, ITERATIONS: tl.constexpr):
+    """out[program] = XOR of its BLOCK x ITERATIONS consecutive int32 words (kept, so every load is)."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK * ITERATIONS
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(ITERATIONS):
+        acc ^= tl.load(src_ptr + start + i * BLOCK + tl.arange(0, BLOCK))
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
+def xor_words(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each 64 KiB chunk of int32 `src` XOR-ed to one word (into `out`): the read stream's kernel."""
+    chunk = READ_BLOCK * READ_ITERATIONS
+    if src.dtype != torch.int32 or not src.is_contiguous() or src.numel() % chunk:
+        raise ValueError(f"xor_words reads contiguous int32 in whole chunks of {chunk} words")
+    out = torch.empty(src.numel() // chunk, dtype=torch.int32, device=src.device) if out is None else out
+    _xor_words[(out.numel(),)](src, out, BLOCK=READ_BLOCK, ITERATIONS=READ_ITERATIONS, num_warps=4)
+    return out
+
+
+def read_bandwidth(device) -> float:
+    """Bytes/s of reading 1 GiB once (`xor_words`)."""
+    src = torch.randint(-(1 << 31), 1 << 31, (1 << 28,), dtype=torch.int32, device=device)
+    out = xor_words(src)
+    return src.nbytes / gpu_seconds([lambda: xor_words(src, out)])
+
+
+def memory_roofs(device) -> dict:
+    """The device's measured streaming rates in bytes/s: a copy (read + write counted) and a
+    read-only stream; a batch-1 kernel's bandwidth fraction is over the higher of the two."""
+    rates = {"copy": copy_bandwidth(device), "read": read_bandwidth(device)}
+    return {**rates, "roof": max(rates.values())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096", help="NxK (out x in), comma-separated")
@@ -257,7 +300,8 @@ def main() -> None:
         import bitsandbytes.functional as bnb
     except ImportError:
         bnb = None
-    bandwidth = copy_bandwidth(device)
+    roofs = memory_roofs(device)
+    bandwidth = roofs["roof"]
     rows = []
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
@@ -308,12 +352,14 @@ def main() -> None:
             print(json.dumps(row), flush=True)
 
     fits = {name: fit for name in ["fp16", *[f"{prefix}{kind}" for kind in kinds for prefix in versions]] if (fit := fixed_and_rate(rows, name))}
-    report = {"device": torch.cuda.get_device_name(), "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "rows": rows, "batch1_fits": fits}
+    report = {"device": torch.cuda.get_device_name(), **{f"{name}_bandwidth_GBps": round(rate / 1e9, 1) for name, rate in roofs.items()},
+              "rows": rows, "batch1_fits": fits}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     columns = ["fp16_us", *[f"{prefix}{kind}_speedup" for kind in kinds for prefix in versions], "torch_24_speedup", "bnb_nf4_speedup", "fp16_bandwidth_fraction",
                *[f"{prefix}{kind}_bandwidth_fraction" for kind in kinds for prefix in versions]]
-    lines = [f"{report['device']}, copy bandwidth {report['copy_bandwidth_GBps']} GB/s", "",
+    lines = [f"{report['device']}: a 1 GiB copy {report['copy_bandwidth_GBps']} GB/s (read + write), a 1 GiB read {report['read_bandwidth_GBps']} GB/s; "
+             f"bandwidth fractions are over {report['roof_bandwidth_GBps']} GB/s", "",
              "| shape | batch | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     for row in rows:
         lines.append(f"| {row['shape']} | {row['batch']} | " + " | ".join(str(row.get(c, "")) for c in columns) + " |")

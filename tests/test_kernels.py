@@ -1130,6 +1130,23 @@ def test_speed_benchmark_splits_batch1_time_into_a_fixed_cost_and_a_rate():
     assert fixed_and_rate(rows[:1] + rows[2:], "int4") is None and fixed_and_rate(rows, "fp16") is None
 
 
+def test_read_stream_xors_every_word_of_its_chunks():
+    """The read-only roof of kernel_speed.py reads every word (its XOR per 64 KiB chunk is numpy's),
+    so a GPU cannot skip loads and report a rate no kernel could reach."""
+    import numpy as np
+
+    from benchmarks.kernel_speed import READ_BLOCK, READ_ITERATIONS, xor_words
+
+    chunk = READ_BLOCK * READ_ITERATIONS
+    words = torch.randint(-(1 << 31), 1 << 31, (3 * chunk,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    expected = np.bitwise_xor.reduce(words.numpy().reshape(3, chunk), axis=1)
+    assert np.array_equal(xor_words(words).numpy(), expected)
+    words[chunk + 5] ^= 1 << 7  # one bit of one word changes its chunk's XOR, only that one
+    assert (xor_words(words).numpy() != expected).tolist() == [False, True, False]
+    with pytest.raises(ValueError, match="whole chunks"):
+        xor_words(words[:-1])
+
+
 def test_split_k_is_not_tried_for_bf16_outputs():
     """bf16 has 8 significant bits: partial sums added in it would lose the fp32 accumulation."""
     from compressors.packed_int import GEMV_CONFIGS, _split_k_fits
