@@ -331,29 +331,64 @@ class LoadedModel:
 LAYER_WIDTHS = "lmpress_layer_widths"  # config.json key: per-layer widths after non-uniform structured pruning
 
 
-def _load_with_layer_widths(folder: Path, config, dtype: torch.dtype) -> nn.Module:
-    """A model whose layers have their own widths (`lmpress_layer_widths`: intermediate_size
-    and num_key_value_heads per layer), which transformers' configs cannot say: build it at the
-    config's (largest) widths, shrink each layer to its recorded ones, then load the weights."""
-    from safetensors.torch import load_file
+def _empty_model(folder: Path, config, dtype: torch.dtype) -> nn.Module:
+    """The model built from its config without weights: parameters on the meta device (no
+    memory; accelerate's `init_empty_weights`, which leaves buffers such as rotary tables real),
+    each layer at its own widths where the config lists them (`lmpress_layer_widths`:
+    intermediate_size and num_key_value_heads per layer, which transformers' configs cannot
+    say: built at the config's largest widths, then shrunk). `load_stored` fills it."""
+    import copy
+
+    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     from compressors.structured import prune_heads, prune_mlp
 
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    widths = getattr(config, LAYER_WIDTHS)
-    layers = decoder_layers(model)
-    require(len(widths) == len(layers), f"{folder}/config.json lists {len(widths)} layer widths for {len(layers)} layers; re-run the stage")
-    for layer, width in zip(layers, widths):
-        prune_mlp(layer.mlp, torch.arange(width["intermediate_size"]), None, bool(getattr(config, "mlp_bias", False)))
-        prune_heads(layer.self_attn, torch.arange(width["num_key_value_heads"]), config, None, bool(getattr(config, "attention_bias", False)))
-    state = {}
+    config = copy.deepcopy(config)
+    config.__dict__.pop("quantization_config", None)  # the packed linears are swapped in by load_stored
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+        widths = getattr(config, LAYER_WIDTHS, None)
+        if widths:
+            layers = decoder_layers(model)
+            require(len(widths) == len(layers), f"{folder}/config.json lists {len(widths)} layer widths for {len(layers)} layers; re-run the stage")
+            for layer, width in zip(layers, widths):
+                prune_mlp(layer.mlp, torch.arange(width["intermediate_size"]), None, bool(getattr(config, "mlp_bias", False)))
+                prune_heads(layer.self_attn, torch.arange(width["num_key_value_heads"]), config, None, bool(getattr(config, "attention_bias", False)))
+    model.tie_weights()  # from_config leaves that to a load: a tied weight is then one parameter to fill
+    return model
+
+
+def load_stored(model: nn.Module, folder: Path, dtype: torch.dtype, packed: dict | None = None) -> nn.Module:
+    """Fill an `_empty_model` from the folder's safetensors files: the linears named in `packed`
+    (name -> PackedWeight) become kernel-backed PackedLinears, every other parameter is read
+    (floats cast to `dtype`; buffers, such as rotary tables, are the config's), tied weights are
+    tied again. So a packed model never holds
+    a dense copy of its packed weights: transformers' own loads build them (compressed-tensors
+    decompresses, an lmpress-packed load initializes them at their dense shape) and put the
+    whole dense model in host memory. A tensor the files lack or misshape is one line."""
+    from safetensors import safe_open
+
+    if packed:
+        from pipelines.serving import swap_in_packed_linears
+
+        swap_in_packed_linears(model, packed)
+    wanted = {name: param for name, param in model.named_parameters() if param.is_meta}  # a tied weight once
+    stored = {}
     for file in weight_files(folder):
-        state.update(load_file(file))
-    missing, unexpected = model.load_state_dict({key: value.to(dtype) for key, value in state.items()}, strict=False)
-    tied = {key for key in missing if getattr(config, "tie_word_embeddings", False) and key.startswith("lm_head.")}
-    require(not unexpected and set(missing) == tied, f"{folder} does not match its recorded layer widths; re-run the stage that wrote it")
+        with safe_open(file, framework="pt") as handle:
+            stored.update({key: handle.get_tensor(key) for key in handle.keys() if key in wanted})
+    damaged = [key for key in wanted if key not in stored] + [
+        f"{key} (stored {tuple(value.shape)}, the model's {tuple(wanted[key].shape)})" for key, value in stored.items() if value.shape != wanted[key].shape
+    ]
+    if damaged:
+        raise LmpressError(f"{folder} lacks or misshapes {damaged[0]}; the artifact is damaged: re-create it")
+    model.load_state_dict({key: value.to(dtype) if value.is_floating_point() else value for key, value in stored.items()}, strict=False, assign=True)
     model.tie_weights()
+    if (folder / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     return model
 
 
@@ -400,31 +435,37 @@ def load_tokenizer(folder: Path):
         raise LmpressError(f"the tokenizer in {folder} does not load ({reason(error)}); copy the base model's tokenizer files there") from error
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Resolve, check and load a causal LM in eval mode, on the CPU (its tokenizer on first use)."""
+def load_model(spec: str, dtype: torch.dtype = torch.float32, packed: bool = False) -> LoadedModel:
+    """Resolve, check and load a causal LM in eval mode, on the CPU (its tokenizer on first use).
+    A compressed-tensors pack-quantized model is decompressed, as stock transformers runs it,
+    unless `packed`: then its packed linears are PackedLinears, as an lmpress-packed model's
+    always are (`load_stored`; the serving loader)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from compressors.packed_int import FORMAT as PACKED_FORMAT
 
     folder = resolve_model(spec)
     config = load_config(folder)
     check_weight_files(folder)
     check_tokenizer_files(folder)
     hf_logging.disable_progress_bar()
-    if (getattr(config, "quantization_config", None) or {}).get("quant_method") == "lmpress":
-        from pipelines.serving import load_lmpress_packed
+    settings = getattr(config, "quantization_config", None) or {}
+    if settings.get("quant_method") == "lmpress" or (packed and settings.get("quant_method") == "compressed-tensors" and settings.get("format") == PACKED_FORMAT):
+        from pipelines.serving import packed_weights
 
-        model = load_lmpress_packed(folder, config, dtype)
+        model = load_stored(_empty_model(folder, config, dtype), folder, dtype, packed_weights(folder))
     elif getattr(config, LAYER_WIDTHS, None):
-        model = _load_with_layer_widths(folder, config, dtype)
+        model = load_stored(_empty_model(folder, config, dtype), folder, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
-    if (getattr(config, "quantization_config", None) or {}).get("quant_method") == "bitsandbytes":
+    if settings.get("quant_method") == "bitsandbytes":
         _say_once("bitsandbytes.autograd._functions", "MatMul8bitLt: inputs will be cast")
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None and hasattr(quantizer, "compressor"):
         # compressed-tensors: decompress now, exactly as stock transformers does on the first
         # forward (its `dequantize=True` load path instead rounds weights to the scales' fp16).
-        # Kernels that run the packed form are swapped in by the serving loader instead.
+        # The serving loader asks for the packed form instead (`packed`).
         quantizer.compressor.decompress_model(model)
     model.eval()
     return LoadedModel(spec=spec, folder=folder, model=model)

@@ -93,36 +93,6 @@ def swap_in_packed_linears(model, weights: dict) -> None:
         setattr(module, child, PackedLinear(weight, getattr(module, child).bias))
 
 
-def load_lmpress_packed(folder: Path, config, dtype: torch.dtype):
-    """Open an lmpress-packed artifact: transformers builds the model and loads the dense
-    tensors (the packed linears' `weight` keys hold packed codes of another shape, so it
-    initializes those weights), then every packed linear is swapped for a PackedLinear."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    config = copy.deepcopy(config)
-    packed = set(config.__dict__.pop("quantization_config")["modules"])
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the mismatched weights are expected; they are replaced below
-    try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, dtype=dtype, use_safetensors=True, trust_remote_code=False, ignore_mismatched_sizes=True,
-            output_loading_info=True,
-        )
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    # only the packed linears may differ from the model (their codes and extras); any other
-    # missing or misshapen tensor would be initialized at random without a word
-    damaged = sorted(loading["missing_keys"]) + sorted(
-        f"{key} (stored {tuple(stored)}, the model's {tuple(wanted)})" for key, stored, wanted in loading["mismatched_keys"]
-        if key.removesuffix(".weight") not in packed
-    )
-    if damaged:
-        raise LmpressError(f"{folder} lacks or misshapes {damaged[0]}; the artifact is damaged: re-create it")
-    swap_in_packed_linears(model, packed_weights(folder))
-    return model
-
-
 def dense_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A plain float copy of a model as loaded, quantized ones included: every packed or
     quantization-annotated linear becomes a fresh nn.Linear holding its (dequantized) weight,
@@ -149,17 +119,9 @@ def dense_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_for_serving(spec: str, device: str = "cpu") -> LoadedModel:
-    """The model with every packed linear swapped for a kernel-backed PackedLinear (a plain
-    model as it is)."""
-    from compressors.kernels import PackedLinear
-    from compressors.packed_int import FORMAT
-
-    loaded = load_model(spec)
-    settings = getattr(loaded.config, "quantization_config", None) or {}
-    settings = settings if isinstance(settings, dict) else settings.to_dict()
-    decompressed = settings.get("quant_method") == "compressed-tensors" and settings.get("format") == FORMAT
-    if decompressed and not any(isinstance(module, PackedLinear) for module in loaded.model.modules()):
-        swap_in_packed_linears(loaded.model, packed_weights(loaded.folder))
+    """The model with every packed linear a kernel-backed PackedLinear, read from the files
+    without a dense copy (`load_stored`); a plain model as it is."""
+    loaded = load_model(spec, packed=True)
     loaded.model.to(device)
     return loaded
 

@@ -180,6 +180,57 @@ def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder
     assert text.returncode == 0, text.stderr
 
 
+@pytest.mark.parametrize("symmetric", [True, False], ids=["compressed-tensors", "lmpress-packed"])
+def test_serving_load_never_holds_a_dense_copy_of_a_packed_weight(tmp_path, tiny_folder, symmetric):
+    """load_for_serving builds the model empty and fills it from the files, so no float tensor
+    of a packed linear's shape is ever computed (transformers' loads decompress or initialize
+    them: a whole dense model in host memory; the detector sees `dense_copy` make them), and it
+    gives the logits of the base model with each packed weight dequantized in place (and, for
+    compressed-tensors, of the decompressed load)."""
+    from torch.utils import _pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from compressors.packed_int import dequantize_reference
+    from pipelines.models import load_model
+    from pipelines.serving import dense_copy, load_for_serving, packed_weights
+    from pipelines.stages import QuantizeConfig, quantize
+
+    out = quantize(str(tiny_folder), None, tmp_path / "q", QuantizeConfig(method="rtn", bits=4, group_size=32, symmetric=symmetric))
+    assert ("lmpress" in (out / "config.json").read_text()) is not symmetric  # zero points: lmpress' own format
+    weights = packed_weights(out)
+    packed = {(weight.rows, weight.columns) for weight in weights.values()}
+
+    class DenseCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func.overloadpacket is not torch.ops.aten.empty:  # nn.Linear's own, never written (no pages): accelerate moves it to meta at once
+                self.shapes |= {tuple(t.shape) for t in _pytree.tree_leaves(result)
+                                if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and tuple(t.shape) in packed}
+            return result
+
+    with DenseCopies() as serving_load:
+        served = load_for_serving(str(out)).model
+    with DenseCopies() as copying:
+        dense_copy(served)
+    assert serving_load.shapes == set() and copying.shapes == packed
+    assert not any(param.is_meta for param in served.parameters())
+    assert (served.lm_head.weight is served.model.embed_tokens.weight) == served.config.tie_word_embeddings
+
+    base = load_model(str(tiny_folder)).model
+    with torch.no_grad():
+        for name, weight in weights.items():
+            base.get_submodule(name).weight.copy_(dequantize_reference(weight))
+    references = [base] + ([load_model(str(out)).model] if symmetric else [])
+    ids = torch.randint(0, 49152, (1, 10))
+    with torch.no_grad():
+        for reference in references:
+            torch.testing.assert_close(served(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_validation_fails_on_nan_and_damaged_artifacts_are_one_line(tmp_path, tiny_folder, monkeypatch):
     """A kernel that gives NaN fails validation (NaN compares false with any tolerance, and is
     no JSON), and `lmpress validate` exits 1 naming it; a failed report write never leaves an
