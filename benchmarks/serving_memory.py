@@ -14,7 +14,7 @@ model holds (parameters and buffers, each tensor once):
   `serving` again with that tree's code, in the same run.
 Default artifacts: the pipeline's `artifacts/quantized` and `artifacts/quantized-searched`
 (compressed-tensors pack-quantized) and `artifacts/pruned/compressed` (lmpress-packed, 2:4).
-Each load runs twice; the lower of each figure is kept (load times vary on a shared machine). Results: benchmarks/results/serving_memory.{json,md}.
+Each load runs twice; the run with the lower peak is kept (load times vary on a shared machine). Results: benchmarks/results/serving_memory.{json,md}.
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ print(json.dumps({"imports_MiB": round(imports), "peak_MiB": round(rss_mib()), "
 
 
 def measure(loader: str, artifact: str, tree: Path, repeats: int = 2) -> dict:
-    runs = [_measure_once(loader, artifact, tree) for _ in range(repeats)]
-    return {key: min(run[key] for run in runs) for key in runs[0]}
+    return min((_measure_once(loader, artifact, tree) for _ in range(repeats)), key=lambda run: run["peak_MiB"])
 
 
 def _measure_once(loader: str, artifact: str, tree: Path) -> dict:

@@ -377,18 +377,24 @@ def load_stored(model: nn.Module, folder: Path, dtype: torch.dtype, packed: dict
     stored = {}
     for file in weight_files(folder):
         with safe_open(file, framework="pt") as handle:
-            stored.update({key: handle.get_tensor(key) for key in handle.keys() if key in wanted})
+            for key in (key for key in handle.keys() if key in wanted):
+                tensor = handle.get_tensor(key)
+                stored[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor  # cast as read: one stored copy alive at a time
     damaged = [key for key in wanted if key not in stored] + [
-        f"{key} (stored {tuple(value.shape)}, the model's {tuple(wanted[key].shape)})" for key, value in stored.items() if value.shape != wanted[key].shape
+        f"{key} (stored {tuple(value.shape)} {value.dtype}, the model's {tuple(wanted[key].shape)} {wanted[key].dtype})"
+        for key, value in stored.items() if value.shape != wanted[key].shape or value.is_floating_point() != wanted[key].is_floating_point()
     ]
     if damaged:
         raise LmpressError(f"{folder} lacks or misshapes {damaged[0]}; the artifact is damaged: re-create it")
-    model.load_state_dict({key: value.to(dtype) if value.is_floating_point() else value for key, value in stored.items()}, strict=False, assign=True)
+    model.load_state_dict(stored, strict=False, assign=True)
     model.tie_weights()
     if (folder / "generation_config.json").is_file():
         from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(folder)
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(folder)
+        except (OSError, TypeError, ValueError):  # as from_pretrained does: the one the model config gives
+            pass
     return model
 
 
@@ -438,8 +444,9 @@ def load_tokenizer(folder: Path):
 def load_model(spec: str, dtype: torch.dtype = torch.float32, packed: bool = False) -> LoadedModel:
     """Resolve, check and load a causal LM in eval mode, on the CPU (its tokenizer on first use).
     A compressed-tensors pack-quantized model is decompressed, as stock transformers runs it,
-    unless `packed`: then its packed linears are PackedLinears, as an lmpress-packed model's
-    always are (`load_stored`; the serving loader)."""
+    unless `packed` or its layers have their own widths: then its packed linears are
+    PackedLinears, as an lmpress-packed model's always are (`load_stored`; the serving loader).
+    On the CPU a PackedLinear computes with its dequantized weight: the decompressed model's."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -451,11 +458,13 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, packed: bool = Fal
     check_tokenizer_files(folder)
     hf_logging.disable_progress_bar()
     settings = getattr(config, "quantization_config", None) or {}
-    if settings.get("quant_method") == "lmpress" or (packed and settings.get("quant_method") == "compressed-tensors" and settings.get("format") == PACKED_FORMAT):
+    widths = bool(getattr(config, LAYER_WIDTHS, None))
+    pack_quantized = settings.get("quant_method") == "compressed-tensors" and settings.get("format") == PACKED_FORMAT
+    if settings.get("quant_method") == "lmpress" or (pack_quantized and (packed or widths)):  # per-layer widths: transformers cannot build them
         from pipelines.serving import packed_weights
 
         model = load_stored(_empty_model(folder, config, dtype), folder, dtype, packed_weights(folder))
-    elif getattr(config, LAYER_WIDTHS, None):
+    elif widths:
         model = load_stored(_empty_model(folder, config, dtype), folder, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)

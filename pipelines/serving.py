@@ -78,7 +78,15 @@ def packed_weights(folder: Path) -> dict:
             f"{key} holds {packed.shape[1]} words a row, not the {words} of {columns} {bits}-bit codes its config group gives it; "
             "restore the artifact's own config.json",
         )
-        require_groups(f"{name}.weight_scale", scale, columns, grid.get("group_size") if grid.get("strategy") == "group" else None)
+        group_size = grid.get("group_size") if grid.get("strategy") == "group" else None
+        require_groups(f"{name}.weight_scale", scale, columns, group_size)
+        if f"{name}.weight_g_idx" in handles:  # a column's group, stored by activation ordering (llm-compressor's actorder="group")
+            contiguous = torch.arange(columns) // (group_size or columns)
+            require(
+                torch.equal(tensor(f"{name}.weight_g_idx").long(), contiguous),
+                f"{name} has its columns in groups out of order (weight_g_idx, GPTQ's actorder=\"group\"); lmpress' kernels read "
+                "contiguous groups: quantize with `lmpress quantize` (its --act-order keeps them contiguous) or with actorder=\"weight\"",
+            )
         weights[name] = PackedWeight(packed, scale, bits, columns)
     return weights
 

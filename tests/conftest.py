@@ -118,3 +118,16 @@ def refuse_in_process(*args) -> subprocess.CompletedProcess:
 def leftovers(out: Path) -> list[Path]:
     """Temporaries a stage left beside its output."""
     return sorted(out.parent.glob(f".{out.name}.*"))
+
+
+def dequantized_in_place(model, folder: Path):
+    """`model` (the one a packed artifact in `folder` was quantized from) with each of the
+    artifact's packed weights, dequantized by the torch reference, in its linear's place: what
+    loading the artifact must give, built without the loader."""
+    from compressors.packed_int import dequantize_reference
+    from pipelines.serving import packed_weights
+
+    with torch.no_grad():
+        for name, weight in packed_weights(folder).items():
+            model.get_submodule(name).weight.copy_(dequantize_reference(weight))
+    return model

@@ -15,7 +15,7 @@ from compressors.packed_int import random_packed_weight as random_packed
 from compressors.packed_int import _in_code_order32
 import triton  # noqa: E402  (after compressors, which selects Triton's backend)
 import triton.language as tl
-from conftest import refuse_in_process, run_cli, tiny_model
+from conftest import dequantized_in_place, refuse_in_process, run_cli, tiny_model
 from pipelines.errors import LmpressError
 
 # The interpreter here; with TRITON_INTERPRET=0 on a CUDA machine the same tests run the
@@ -190,7 +190,6 @@ def test_serving_load_never_holds_a_dense_copy_of_a_packed_weight(tmp_path, tiny
     from torch.utils import _pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from compressors.packed_int import dequantize_reference
     from pipelines.models import load_model
     from pipelines.serving import dense_copy, load_for_serving, packed_weights
     from pipelines.stages import QuantizeConfig, quantize
@@ -220,22 +219,42 @@ def test_serving_load_never_holds_a_dense_copy_of_a_packed_weight(tmp_path, tiny
     assert not any(param.is_meta for param in served.parameters())
     assert (served.lm_head.weight is served.model.embed_tokens.weight) == served.config.tie_word_embeddings
 
-    base = load_model(str(tiny_folder)).model
-    with torch.no_grad():
-        for name, weight in weights.items():
-            base.get_submodule(name).weight.copy_(dequantize_reference(weight))
-    references = [base] + ([load_model(str(out)).model] if symmetric else [])
+    references = [dequantized_in_place(load_model(str(tiny_folder)).model, out)] + ([load_model(str(out)).model] if symmetric else [])
     ids = torch.randint(0, 49152, (1, 10))
     with torch.no_grad():
         for reference in references:
             torch.testing.assert_close(served(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_columns_grouped_out_of_order_are_refused_in_one_line(tmp_path, tiny_folder):
+    """A compressed-tensors artifact whose weight_g_idx puts columns in groups out of order
+    (llm-compressor's GPTQ with actorder="group") is refused by the serving loader and by
+    `lmpress validate`, which read contiguous groups; a g_idx of contiguous groups is served."""
+    from safetensors.torch import load_file, save_file
+
+    from pipelines.serving import load_for_serving
+    from pipelines.stages import QuantizeConfig, quantize
+
+    out = quantize(str(tiny_folder), None, tmp_path / "q", QuantizeConfig(method="rtn", bits=4, group_size=32))
+    tensors, name = load_file(out / "model.safetensors"), "model.layers.0.mlp.down_proj"
+    columns = int(tensors[f"{name}.weight_shape"][1])
+    tensors[f"{name}.weight_g_idx"] = (torch.arange(columns) // 32).to(torch.int32)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    assert isinstance(load_for_serving(str(out)).model.get_submodule(name), PackedLinear)
+    tensors[f"{name}.weight_g_idx"] = tensors[f"{name}.weight_g_idx"].roll(1)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LmpressError, match=re.escape(f'{name} has its columns in groups out of order (weight_g_idx, GPTQ\'s actorder="group")')):
+        load_for_serving(str(out))
+    result = refuse_in_process("validate", out, "--out", tmp_path / "v.json")
+    assert result.returncode != 0 and "groups out of order" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
 def test_validation_fails_on_nan_and_damaged_artifacts_are_one_line(tmp_path, tiny_folder, monkeypatch):
     """A kernel that gives NaN fails validation (NaN compares false with any tolerance, and is
     no JSON), and `lmpress validate` exits 1 naming it; a failed report write never leaves an
     old report vouching for kernels it did not check. An lmpress-packed artifact with a dense
-    tensor missing or misshapen, or scales in other groups than its config says, is one line
+    tensor missing, misshapen or of another kind (integers for floats), or scales in other
+    groups than its config says, is one line
     (transformers would initialize the tensor at random; the kernels would decode other weights)."""
     import dataclasses
 
@@ -277,7 +296,10 @@ def test_validation_fails_on_nan_and_damaged_artifacts_are_one_line(tmp_path, ti
     tensors = load_file(out / "model.safetensors")
     for damage, message in (
         (lambda t: t.pop("model.norm.weight"), "lacks or misshapes model.norm.weight"),
-        (lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:10].clone()}), "model.norm.weight (stored (10,), the model's (64,))"),
+        (lambda t: t.update({"model.norm.weight": t["model.norm.weight"][:10].clone()}),
+         "model.norm.weight (stored (10,) torch.float32, the model's (64,) torch.float32)"),
+        (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.int32)}),
+         "model.norm.weight (stored (64,) torch.int32, the model's (64,) torch.float32)"),
         (lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": t["model.layers.0.mlp.up_proj.weight_scale"][:, :1].clone(),
                              "model.layers.0.mlp.up_proj.weight_zero_point": t["model.layers.0.mlp.up_proj.weight_zero_point"][:, :1].clone()}),
          "model.layers.0.mlp.up_proj.weight_scale holds 1 groups a row, not those of 64 inputs in groups of 32"),

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressors.structured import prune_heads, prune_mlp
-from conftest import leftovers, refuse_in_process, run_cli
+from conftest import dequantized_in_place, leftovers, refuse_in_process, run_cli
 from pipelines.errors import LmpressError
 from pipelines.stages import DropLayersConfig, QuantizeConfig, StructuredConfig, drop_layers, prune_structured, quantize
 
@@ -55,7 +55,10 @@ def test_width_pruning_gives_a_smaller_stock_checkpoint_with_lmpress_logits(tmp_
 
 
 def test_global_allocation_gives_per_layer_widths_that_lmpress_loads(tmp_path, tiny_setup):
+    from compressors.kernels import PackedLinear
     from pipelines.models import LAYER_WIDTHS, load_model
+    from pipelines.serving import load_for_serving
+    from pipelines.stages import QuantizeConfig, quantize
 
     folder, calibration = tiny_setup
     out = prune_structured(str(folder), calibration, tmp_path / "g", StructuredConfig(target_params=0.99, allocation="global"))
@@ -76,6 +79,14 @@ def test_global_allocation_gives_per_layer_widths_that_lmpress_loads(tmp_path, t
         prune_mlp(layer.mlp, torch.tensor(kept["mlp_channels"]), stats["mlp.down_proj"].mean, True)
         prune_heads(layer.self_attn, torch.tensor(kept["kv_heads"]), parent.config, stats["self_attn.o_proj"].mean, True)
     torch.testing.assert_close(logits(loaded), logits(parent), rtol=1e-5, atol=1e-5)
+
+    # quantized (compressed-tensors keeps the widths in config.json), it loads for evaluation and
+    # for serving alike: PackedLinears on its codes (transformers cannot build the widths)
+    quantized = quantize(str(out), None, tmp_path / "q", QuantizeConfig(method="rtn", bits=4, group_size=-1))
+    expected = logits(dequantized_in_place(load_model(str(out)).model, quantized))
+    for model in (load_model(str(quantized)).model, load_for_serving(str(quantized)).model):
+        assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+        torch.testing.assert_close(logits(model), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_block_influence_is_what_each_layer_does_to_its_input(tiny_setup):
