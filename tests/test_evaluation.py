@@ -1,5 +1,4 @@
 import torch
-from safetensors.torch import save_file
 
 from conftest import tiny_model
 from pipelines.evaluation import LMHead, score_windows, size_metrics

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressors.kvmerge import AttentionHeads, AttentionInputStatistics, attention_outputs, balanced_groups, merge_heads
-from conftest import leftovers, refuse_in_process, run_cli, save_tiny, tiny_config
+from conftest import leftovers, refuse_in_process, save_tiny, tiny_config
 from pipelines.errors import LmpressError
 from pipelines.stages import KVMergeConfig, kv_merge
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compressors.structured import prune_heads, prune_mlp
-from conftest import dequantized_in_place, leftovers, refuse_in_process, run_cli
+from conftest import dequantized_in_place, leftovers, refuse_in_process
 from pipelines.errors import LmpressError
 from pipelines.stages import DropLayersConfig, QuantizeConfig, StructuredConfig, drop_layers, prune_structured, quantize
 
