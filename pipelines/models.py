@@ -467,6 +467,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, packed: bool = Fal
     elif widths:
         model = load_stored(_empty_model(folder, config, dtype), folder, dtype)
     else:
+        if pack_quantized:
+            from pipelines.serving import require_groups_in_order
+
+            require_groups_in_order(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, use_safetensors=True, trust_remote_code=False)
     if settings.get("quant_method") == "bitsandbytes":
         _say_once("bitsandbytes.autograd._functions", "MatMul8bitLt: inputs will be cast")

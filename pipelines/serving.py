@@ -31,6 +31,34 @@ def _grid_of(name: str, quantization_config: dict, folder: Path) -> dict:
     return group["weights"]
 
 
+def _group_size(grid: dict) -> int | None:
+    """A config group's weights' group size; None per channel."""
+    return grid.get("group_size") if grid.get("strategy") == "group" else None
+
+
+def require_groups_in_order(folder: Path) -> None:
+    """Refuse, in one line, a pack-quantized artifact whose `weight_g_idx` (a column's group,
+    stored by llm-compressor's GPTQ with actorder="group") puts a linear's columns in groups out
+    of order. lmpress' kernels read contiguous groups, and compressed-tensors 0.20, which removed
+    that ordering, ignores the tensor: transformers would decode other weights without a word.
+    A g_idx of contiguous groups is the stored order itself and loads."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    settings = config_json(folder).get("quantization_config") or {}
+    for file in weight_files(folder):
+        with safe_open(file, framework="pt") as handle:
+            for key in (key for key in handle.keys() if key.endswith(".weight_g_idx")):
+                name, g_idx = key.removesuffix(".weight_g_idx"), handle.get_tensor(key).long()
+                group_size = _group_size(_grid_of(name, settings, folder))
+                require(
+                    torch.equal(g_idx, torch.arange(g_idx.numel()) // (group_size or g_idx.numel())),
+                    f"{name} has its columns in groups out of order (weight_g_idx, GPTQ's actorder=\"group\"), which neither lmpress' "
+                    "kernels nor compressed-tensors 0.20 decode: quantize with `lmpress quantize` (its --act-order keeps groups "
+                    "contiguous) or with actorder=\"weight\"",
+                )
+
+
 def packed_weights(folder: Path) -> dict:
     """Module name -> PackedWeight, read straight from the files of a compressed-tensors
     pack-quantized artifact or an lmpress-packed one."""
@@ -66,6 +94,7 @@ def packed_weights(folder: Path) -> dict:
         settings.get("quant_method") == "compressed-tensors" and settings.get("format") == FORMAT,
         f"{folder} is not a {FORMAT} compressed-tensors or {lmpress_format.FORMAT} artifact; quantize it with `lmpress quantize`",
     )
+    require_groups_in_order(folder)
     weights = {}
     for key in sorted(k for k in handles if k.endswith(".weight_packed")):
         name = key.removesuffix(".weight_packed")
@@ -78,15 +107,7 @@ def packed_weights(folder: Path) -> dict:
             f"{key} holds {packed.shape[1]} words a row, not the {words} of {columns} {bits}-bit codes its config group gives it; "
             "restore the artifact's own config.json",
         )
-        group_size = grid.get("group_size") if grid.get("strategy") == "group" else None
-        require_groups(f"{name}.weight_scale", scale, columns, group_size)
-        if f"{name}.weight_g_idx" in handles:  # a column's group, stored by activation ordering (llm-compressor's actorder="group")
-            contiguous = torch.arange(columns) // (group_size or columns)
-            require(
-                torch.equal(tensor(f"{name}.weight_g_idx").long(), contiguous),
-                f"{name} has its columns in groups out of order (weight_g_idx, GPTQ's actorder=\"group\"); lmpress' kernels read "
-                "contiguous groups: quantize with `lmpress quantize` (its --act-order keeps them contiguous) or with actorder=\"weight\"",
-            )
+        require_groups(f"{name}.weight_scale", scale, columns, _group_size(grid))
         weights[name] = PackedWeight(packed, scale, bits, columns)
     return weights
 

@@ -229,9 +229,12 @@ def test_serving_load_never_holds_a_dense_copy_of_a_packed_weight(tmp_path, tiny
 def test_columns_grouped_out_of_order_are_refused_in_one_line(tmp_path, tiny_folder):
     """A compressed-tensors artifact whose weight_g_idx puts columns in groups out of order
     (llm-compressor's GPTQ with actorder="group") is refused by the serving loader and by
-    `lmpress validate`, which read contiguous groups; a g_idx of contiguous groups is served."""
+    `lmpress validate`, which read contiguous groups, and by the evaluation loader: transformers
+    with compressed-tensors 0.20 ignores the tensor and gave the same logits as without it. A
+    g_idx of contiguous groups is served."""
     from safetensors.torch import load_file, save_file
 
+    from pipelines.models import load_model
     from pipelines.serving import load_for_serving
     from pipelines.stages import QuantizeConfig, quantize
 
@@ -243,8 +246,9 @@ def test_columns_grouped_out_of_order_are_refused_in_one_line(tmp_path, tiny_fol
     assert isinstance(load_for_serving(str(out)).model.get_submodule(name), PackedLinear)
     tensors[f"{name}.weight_g_idx"] = tensors[f"{name}.weight_g_idx"].roll(1)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(LmpressError, match=re.escape(f'{name} has its columns in groups out of order (weight_g_idx, GPTQ\'s actorder="group")')):
-        load_for_serving(str(out))
+    for load in (load_for_serving, load_model):
+        with pytest.raises(LmpressError, match=re.escape(f'{name} has its columns in groups out of order (weight_g_idx, GPTQ\'s actorder="group")')):
+            load(str(out))
     result = refuse_in_process("validate", out, "--out", tmp_path / "v.json")
     assert result.returncode != 0 and "groups out of order" in result.stderr and len(result.stderr.splitlines()) == 1
 
