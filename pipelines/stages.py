@@ -320,9 +320,15 @@ def begin_stage(model: str, calibration: Path | None, out: Path, needs_calibrati
     given where needed (before any loading), start the clock, load the model, and open the
     calibration artifact checked against the model's base. `needs_calibration` names the
     command and options that need it (see `needed_by`), None where it is optional. Returns
-    (run, loaded, chain, calib)."""
+    (run, loaded, chain, calib). A quantized model is refused: every stage computes on dense
+    weights and writes them dense (a stage that shrank a decompressed model wrote a quantization
+    config over dense layers, which no loader opens), so quantizing comes last."""
     require_output_path(out, directory=True, inputs=(model, calibration))
     require_calibration(calibration, needs_calibration)
+    require(
+        not is_quantized(resolve_model(model)),
+        f"{model} is quantized already; start from the model it was made from (the base, or a pruned or merged artifact) and quantize last",
+    )
     run = StageRun()
     loaded = load_model(model)
     chain = model_chain(model, loaded.folder, loaded.config)
@@ -615,10 +621,6 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from pipelines.serving import validate
 
     config.validate()
-    require(
-        not is_quantized(resolve_model(model)),
-        f"{model} is quantized already; quantize the model it was made from (the base, or a pruned or merged artifact)",
-    )
     run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("quantize", {f"--method {config.method}": config.method in CALIBRATED_METHODS}))
     overrides = load_overrides(config.overrides)
     plan = quantization_plan(loaded.model, config, overrides)
@@ -1088,15 +1090,19 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
 
     config.validate()
     kv_before = _check_kv_merge_target(model, config.kv_heads).num_key_value_heads
+    # as many heads as it has (a sweep's unmerged point) leaves every layer as it is: the aligned
+    # method's key rescaling and o_proj refit are only near-exact, and not exact at all through a
+    # per-head k_norm (Qwen3, Gemma3: logits moved by 0.02)
+    merging = config.kv_heads < kv_before
     grouping = 1 < config.kv_heads < kv_before  # with one group, or one head a group, there is nothing to choose
     needs_calibration = needed_by("kv-merge", {
-        f"--method {config.method}": config.method == "aligned", f"--kv-heads {config.kv_heads}": grouping,
+        f"--method {config.method}": config.method == "aligned" and merging, f"--kv-heads {config.kv_heads}": grouping,
         f"--heal-steps {config.heal_steps}": config.heal_steps > 0,
     })
     run, loaded, chain, calib = begin_stage(model, calibration, out, needs_calibration)
     model_config = loaded.config
     require(
-        config.method == "mean" or config.kv_heads == kv_before or not hasattr(decoder_layers(loaded.model)[0].self_attn, "k_norm"),
+        config.method == "mean" or not merging or not hasattr(decoder_layers(loaded.model)[0].self_attn, "k_norm"),
         f"{model_config.model_type} normalizes each key head (k_norm), which the aligned merge's RoPE-commuting key fold "
         "cannot pass through; use --method mean",
     )
@@ -1107,6 +1113,9 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
 
     def merge_layer(index: int, layer, inputs: list) -> None:
         """`inputs`: the attention's calls on the calibration batches (none without calibration)."""
+        if not merging:
+            report["groups"][index] = [[head] for head in range(kv_before)]
+            return
         attention = layer.self_attn
         heads = AttentionHeads.of(attention, *shape)
         statistics = AttentionInputStatistics(attention, inputs) if inputs else None
@@ -1122,7 +1131,7 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
         report["groups"][index] = groups
 
     with atomic_directory(out) as tmp, progress_bar(f"kv-merge ({config.method})", model_config.num_hidden_layers) as advance:
-        if needs_calibration:  # layer by layer: each layer is fitted on the outputs of the merged ones before it
+        if needs_calibration and merging:  # layer by layer: each layer is fitted on the outputs of the merged ones before it
             with closing(LayerRunner(loaded.model, calib.spread_samples(config.samples), config.batch_size, on_layer_done=lambda _: advance(),
                                      scratch=tmp)) as runner:
                 for index, layer in runner:
@@ -1337,7 +1346,7 @@ class SpeculationConfig:
         require_positive(prompts=self.prompts, prompt_len=self.prompt_len, new_tokens=self.new_tokens)
         require(bool(self.corpus_list), "no evaluation corpus given; pass e.g. --corpora austen-heldout,pydoc-heldout")
         try:
-            require(all(k > 0 for k in self.lookaheads), f"lookahead values must be positive (got {self.lookahead})")
+            require(bool(self.lookaheads) and all(k > 0 for k in self.lookaheads), f"--lookahead must be positive whole numbers such as 4,8 (got {self.lookahead!r})")
         except ValueError as error:
             raise LmpressError(f"--lookahead must be comma-separated whole numbers such as 4,8 (got {self.lookahead})") from error
 
@@ -1385,7 +1394,9 @@ def evaluate_draft(draft_model: str, target: str, out: Path | None, config: Spec
             identical = True
             for prompt in prompts:
                 start = time.perf_counter()
-                plain = loaded.model.generate(prompt, max_new_tokens=config.new_tokens, do_sample=False, pad_token_id=0)
+                # the mask given: without it transformers masks every token equal to the pad id
+                plain = loaded.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=config.new_tokens, do_sample=False,
+                                              pad_token_id=0)
                 plain_s += time.perf_counter() - start
                 start = time.perf_counter()
                 result = speculative_greedy(loaded.model, model, prompt, config.new_tokens, lookahead, token_ids, eos)

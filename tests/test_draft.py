@@ -262,3 +262,19 @@ def test_distilled_draft_is_accepted_more_on_held_out_prompts(tmp_path, real_mod
         assert measured[steps]["identical_output"]
     print(measured)
     assert measured[40]["tokens_per_target_forward"] > measured[0]["tokens_per_target_forward"] + 0.15, measured
+
+
+def test_the_plain_baseline_decodes_a_prompt_holding_token_zero(tmp_path, tiny_target, monkeypatch):
+    """evaluate-draft's plain greedy decoding, which the speculative output must equal, passes an
+    explicit attention mask: without one transformers masks every prompt token equal to the pad
+    id (0, here <|endoftext|>; "!" for some tokenizers) and decoded something else, so the
+    speculative output was reported as differing from the target's."""
+    from pipelines import stages
+
+    folder, calibration = tiny_target
+    made = draft(str(folder), calibration, tmp_path / "d", DraftConfig(layers=2, steps=0, **SMALL))
+    prompt = torch.randint(1, 49152, (16,), generator=torch.Generator().manual_seed(0))
+    prompt[[3, 9]] = 0
+    monkeypatch.setattr(stages, "held_out_windows", lambda *args, **kwargs: (prompt[None], ["a document"]))
+    metrics = evaluate_draft(str(made), str(folder), None, SpeculationConfig(corpora="austen-heldout", prompts=1, prompt_len=16, new_tokens=12, lookahead="2"))
+    assert metrics["lookahead"]["2"]["identical_output"]

@@ -212,12 +212,18 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert f"overrides {tmp_path} is a folder" in error("--method", "rtn", "--group-size", "32", "--overrides", tmp_path)
 
 
-def test_a_quantized_model_is_not_quantized_again(tmp_path, tiny_folder):
+def test_a_quantized_model_is_refused_by_every_stage(tmp_path, tiny_folder):
+    """Quantizing comes last: a quantized model is not quantized again, and a stage that would
+    shrink it (drop layers, merge KV heads, prune) refuses it in one line. drop-layers used to
+    write the decompressed layers dense under the parent's quantization config, which no loader
+    opened (compressed-tensors' KeyError: 'weight_packed' at the next load)."""
     first = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--group-size", "32", "--out", tmp_path / "q")
     assert first.returncode == 0, first.stderr
-    again = refuse_in_process("quantize", "--model", tmp_path / "q", "--method", "rtn", "--group-size", "32", "--out", tmp_path / "qq")
-    assert again.returncode == 2 and "Traceback" not in again.stderr and "is quantized already" in again.stderr, again.stderr
-    assert not (tmp_path / "qq").exists()
+    for command, *options in [("quantize", "--method", "rtn", "--group-size", "32"), ("drop-layers", "--n", "1", "--scorer", "last"),
+                              ("kv-merge", "--kv-heads", "1", "--method", "mean"), ("prune", "--method", "magnitude", "--sparsity", "0.5")]:
+        again = refuse_in_process(command, "--model", tmp_path / "q", *options, "--out", tmp_path / "qq")
+        assert again.returncode == 2 and "Traceback" not in again.stderr and "is quantized already" in again.stderr, (command, again.stderr)
+        assert len(again.stderr.strip().splitlines()) == 1 and not (tmp_path / "qq").exists(), command
 
 
 def test_quantize_refuses_outputs_that_would_lose_an_input(tmp_path, tiny_folder):
