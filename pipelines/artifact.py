@@ -62,8 +62,8 @@ def require_output_path(path: Path, directory: bool, inputs: tuple = ()) -> None
     cache = model_cache().resolve()
     require(target != cache and cache not in target.parents, f"output path {path} lies in lmpress's model cache ({cache}); write the result elsewhere")
     for given in inputs:
-        if given is None or not Path(given).expanduser().exists():
-            continue  # hub ids and built-in names resolve to lmpress's model cache, refused above
+        if not given or not Path(given).expanduser().exists():
+            continue  # unset ("" or None); hub ids and built-in names resolve to lmpress's model cache, refused above
         source = Path(given).expanduser().resolve()
         require(
             target != source and target not in source.parents and source not in target.parents,

@@ -475,7 +475,7 @@ def info(path: str = typer.Argument(..., help="An lmpress artifact (model or cal
     from pipelines.errors import require
     from pipelines.models import resolve_model
 
-    folder = resolve_model(path) if not Path(path, "manifest.json").is_file() else Path(path)
+    folder = Path(path) if any(Path(path, marker).is_file() for marker in ("manifest.json", "lineage.json")) else resolve_model(path)
     lineage = read_lineage(folder)
     if lineage is None:
         manifest = read_json(folder / "manifest.json", "re-run the stage that made it") if (folder / "manifest.json").is_file() else None

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from compressors.search import Unit
-from pipelines.artifact import read_json, require_output_path, write_json
+from pipelines.artifact import read_json, require_keys, require_output_path, write_json
 from pipelines.errors import LmpressError, require
 
 LATENCY_FORMAT = "lmpress-latency"
@@ -356,6 +356,7 @@ class LatencyTable:
             isinstance(self.table, dict) and self.table.get("format") == LATENCY_FORMAT and self.table.get("version") == LATENCY_VERSION,
             f"{self.path} is not an lmpress latency table of version {LATENCY_VERSION}; measure it with `lmpress latency`",
         )
+        require_keys(self.table, ("base", "levels", "device", "blocks", "linears", "outside_s", "block_rest_s"), self.path, "measure it again with `lmpress latency`")
 
     def check(self, chain: list[dict], database) -> None:
         """Measured on this base model, for every shape and level of the database."""

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from compressors.search import STARTS, SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
 from compressors.structured import LayerSubset
-from pipelines.artifact import ResumeFolder, atomic_directory, file_sha256, inputs_key, read_json, read_safetensors, write_json, write_lineage
+from pipelines.artifact import ResumeFolder, atomic_directory, file_sha256, inputs_key, read_json, read_safetensors, require_keys, write_json, write_lineage
 from pipelines.errors import require
 from pipelines.evaluation import LMHead, score_windows
 from pipelines.latency import LatencyTable
@@ -192,6 +192,7 @@ class LevelDatabase:
         self.folder = Path(folder)
         require(self.folder.is_dir(), f"level database {self.folder} does not exist; build it with `lmpress levels`")
         self.manifest = read_json(self.folder / "manifest.json", "rebuild it with `lmpress levels`")
+        require(isinstance(self.manifest, dict), f"{self.folder / 'manifest.json'} is not a JSON object; rebuild it with `lmpress levels`")
         params = {"clip_search": False, **self.manifest.get("params", {})}  # databases from before clip search: min-max
         version = self.manifest.get("version")
         readable = version == LEVELS_VERSION or (version == 2 and not (params.get("sparse24") and params["clip_search"]))  # 2's 2:4 levels: min-max
@@ -199,6 +200,7 @@ class LevelDatabase:
             self.manifest.get("format") == LEVELS_FORMAT and readable,
             f"{self.folder} is not an lmpress level database of version {LEVELS_VERSION}; rebuild it with `lmpress levels`",
         )
+        require_keys(self.manifest, ("base", "units", "layers", "layer_prefix"), self.folder / "manifest.json", "rebuild it with `lmpress levels`")
         self.config = LevelsConfig(**params)
         self._cache: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -382,7 +384,7 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     interrupted search resumes from its last generation."""
     config.validate()
     database = LevelDatabase(levels)
-    run, loaded, chain, calib = begin_stage(model, calibration, out, "search")
+    run, loaded, chain, calib = begin_stage(model, calibration, out, "search", (levels, config.latency))
     database.check_model(chain)
     units, budget, latency = _budgeted_units(config, database, chain)
     linear_weights = sum(u.size for u in units if not u.is_block)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.artifact import file_sha256, read_safetensors, require_output_path, write_json, writing
+from pipelines.artifact import file_sha256, read_safetensors, require_keys, require_output_path, write_json, writing
 from pipelines.errors import LmpressError, require
 from pipelines.models import LoadedModel, check_weight_files, config_json, load_config, load_model, load_tokenizer, resolve_model, weight_files
 
@@ -286,15 +286,14 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
     from pipelines.stages import VOCAB_TRIM_FILE, check_draft_fits
 
     folder = resolve_model(spec)
-    require(
-        folder.resolve() != Path(target.folder).resolve(),
-        f"the draft {spec} is the target itself; pass a smaller model of its family, e.g. one `lmpress draft` made",
-    )
     check_draft_fits(folder, target.folder)
     lineage = read_lineage(folder)
     record = lineage["chain"][-1] if lineage else {}
     if record.get("stage") == "draft":
+        lineage_file = folder / "lineage.json"
+        require(isinstance(record.get("target"), dict), f"{lineage_file} names no target model for this draft; re-run `lmpress draft`")
         expected = record["target"]
+        require_keys(expected, ("model", "lineage_hash", "weights_sha256"), lineage_file, "re-run `lmpress draft`")
         actual = model_identity(target.spec, target.folder, model_chain(target.spec, target.folder, target.config))
         changed = [what for what, key in (("lineage", "lineage_hash"), ("weights", "weights_sha256")) if expected[key] != actual[key]]
         if changed:

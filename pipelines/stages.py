@@ -315,15 +315,17 @@ def base_layer_indices(lineage: dict | None) -> list[int] | None:
     return indices
 
 
-def begin_stage(model: str, calibration: Path | None, out: Path, needs_calibration: str | None):
+def begin_stage(model: str, calibration: Path | None, out: Path, needs_calibration: str | None, other_inputs: tuple = ()):
     """What every compression stage does first: check the output path and that calibration is
     given where needed (before any loading), start the clock, load the model, and open the
     calibration artifact checked against the model's base. `needs_calibration` names the
-    command and options that need it (see `needed_by`), None where it is optional. Returns
+    command and options that need it (see `needed_by`), None where it is optional;
+    `other_inputs` are the stage's other local inputs (a level database, a plan), which its
+    output must not replace either. Returns
     (run, loaded, chain, calib). A quantized model is refused: every stage computes on dense
     weights and writes them dense (a stage that shrank a decompressed model wrote a quantization
     config over dense layers, which no loader opens), so quantizing comes last."""
-    require_output_path(out, directory=True, inputs=(model, calibration))
+    require_output_path(out, directory=True, inputs=(model, calibration, *other_inputs))
     require_calibration(calibration, needs_calibration)
     require(
         not is_quantized(resolve_model(model)),
@@ -621,7 +623,8 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from pipelines.serving import validate
 
     config.validate()
-    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("quantize", {f"--method {config.method}": config.method in CALIBRATED_METHODS}))
+    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("quantize", {f"--method {config.method}": config.method in CALIBRATED_METHODS}),
+                                             (config.overrides,))
     overrides = load_overrides(config.overrides)
     plan = quantization_plan(loaded.model, config, overrides)
     arch = architecture_of(loaded.config)
@@ -820,7 +823,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     from pipelines.serving import validate
 
     config.validate()
-    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("prune", config.options_needing_calibration()))
+    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("prune", config.options_needing_calibration()), (config.overrides,))
     overrides = load_overrides(config.overrides)
     plan = pruning_plan(loaded.model, config, overrides)
     require(bool(plan), "nothing to prune: every linear was skipped")
@@ -1191,12 +1194,26 @@ class DraftConfig:
         )
 
 
+def require_within_context(model_config, prompt_len: int, new_tokens: int) -> None:
+    """A prompt and its continuation fit the model's context (checked before any weight is read)."""
+    context = getattr(model_config, "max_position_embeddings", None)
+    require(
+        context is None or prompt_len + new_tokens <= context,
+        f"--prompt-len {prompt_len} and --new-tokens {new_tokens} exceed the model's context of {context} tokens; make them shorter",
+    )
+
+
 def check_draft_fits(draft_folder: Path, target_folder: Path) -> None:
     """A draft proposes token ids that the target verifies: both must use one tokenizer and
-    one vocabulary size (checked from the configs and tokenizers, before any weight is read)."""
+    one vocabulary size (checked from the configs and tokenizers, before any weight is read),
+    and a draft is not the target itself."""
     from compressors.draft import tokenizer_difference
     from pipelines.models import load_tokenizer, read_config
 
+    require(
+        Path(draft_folder).resolve() != Path(target_folder).resolve(),
+        f"the draft {draft_folder} is the target itself; pass a smaller model of its family, e.g. one `lmpress draft` made",
+    )
     difference = tokenizer_difference(load_tokenizer(draft_folder), load_tokenizer(target_folder))
     require(
         difference is None,
@@ -1239,6 +1256,7 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
         )
     vocabulary = target_config.vocab_size
     require(config.vocab_trim < vocabulary, f"--vocab-trim {config.vocab_trim} is not below the vocabulary's {vocabulary} tokens; use e.g. 8192, or 0 for no trim")
+    require_within_context(target_config, config.prompt_len, config.new_tokens)
     loaded = load_model(target)
     chain = model_chain(target, loaded.folder, loaded.config)
     calib = open_calibration(calibration, chain)
@@ -1371,6 +1389,7 @@ def evaluate_draft(draft_model: str, target: str, out: Path | None, config: Spec
     config.validate()
     if out is not None:
         require_output_path(out, directory=False)
+    require_within_context(load_config(resolve_model(target)), config.prompt_len, config.new_tokens)
     loaded = load_model(target)
     model, token_ids = load_draft(draft_model, loaded, allow_other_target)
     chains = model_chain(target, loaded.folder, loaded.config) + model_chain(draft_model, resolve_model(draft_model), model.config)

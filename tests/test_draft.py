@@ -206,7 +206,8 @@ def test_draft_bad_input_fails_cleanly(tmp_path, tiny_target, real_model_folder)
         (DraftConfig(layers=0, draft=str(other)), "does not share the target's tokenizer"),
         (DraftConfig(layers=2, vocab_trim=49152), "not below the vocabulary's 49152 tokens"),
         (DraftConfig(layers=2, loss="mse"), "unknown loss 'mse'"),
-        (DraftConfig(layers=2, prompt_len=64), "longer than the calibration windows"),
+        (DraftConfig(layers=2, prompt_len=64, new_tokens=8), "longer than the calibration windows"),
+        (DraftConfig(layers=2, prompt_len=16, new_tokens=120), "--prompt-len 16 and --new-tokens 120 exceed the model's context of 128 tokens"),
         (DraftConfig(layers=2, prompt_len=16, new_tokens=24, real_windows=2), "make those shorter"),
     ]
     for config, message in cases:
@@ -236,7 +237,7 @@ def test_a_draft_is_not_silently_paired_with_a_changed_target(tmp_path, tiny_tar
         load_draft(str(made), load_model(str(target)))
     load_draft(str(made), load_model(str(target)), allow_other_target=True)  # a warning instead
 
-    result = refuse_in_process("evaluate-draft", made, "--target", target, "--prompts", "1", "--new-tokens", "4", "--lookahead", "2")
+    result = refuse_in_process("evaluate-draft", made, "--target", target, "--prompts", "1", "--prompt-len", "32", "--new-tokens", "4", "--lookahead", "2")
     assert result.returncode == 2 and "re-run `lmpress draft" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     result = run_cli("generate", target, "Hello", "--max-new-tokens", "4", "--draft", made, "--allow-other-target")
@@ -278,3 +279,30 @@ def test_the_plain_baseline_decodes_a_prompt_holding_token_zero(tmp_path, tiny_t
     monkeypatch.setattr(stages, "held_out_windows", lambda *args, **kwargs: (prompt[None], ["a document"]))
     metrics = evaluate_draft(str(made), str(folder), None, SpeculationConfig(corpora="austen-heldout", prompts=1, prompt_len=16, new_tokens=12, lookahead="2"))
     assert metrics["lookahead"]["2"]["identical_output"]
+
+
+def test_draft_pairings_and_lengths_are_checked_before_the_work(tmp_path, tiny_target):
+    """The draft stage refuses the target as its own draft (evaluate-draft and generate did
+    already; it wrote a full-size "draft"), and both stages refuse a prompt and continuation
+    longer than the model's context before loading weights (they started the work). A draft
+    whose lineage names no target is one line (it was a KeyError)."""
+    import json
+
+    folder, calibration = tiny_target
+    out = tmp_path / "d"
+    for command, message in [
+        (("draft", "--target", folder, "--draft", folder, "--calibration", calibration, "--prompt-len", "8", "--new-tokens", "8"), "is the target itself"),
+        (("draft", "--target", folder, "--layers", "2", "--calibration", calibration, "--prompt-len", "8", "--new-tokens", "1000"),
+         "--prompt-len 8 and --new-tokens 1000 exceed the model's context of 128 tokens"),
+    ]:
+        result = refuse_in_process(*command, "--out", out)
+        assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert not out.exists() and not leftovers(out)
+    made = draft(str(folder), calibration, out, DraftConfig(layers=2, steps=0, **SMALL))
+    result = refuse_in_process("evaluate-draft", made, "--target", folder, "--prompt-len", "100", "--new-tokens", "100")
+    assert result.returncode == 2 and "exceed the model's context of 128 tokens" in result.stderr, result.stderr
+    lineage = json.loads((made / "lineage.json").read_text())
+    del lineage["chain"][-1]["target"]
+    (made / "lineage.json").write_text(json.dumps(lineage))
+    result = refuse_in_process("evaluate-draft", made, "--target", folder, "--lookahead", "2", "--prompt-len", "32", "--new-tokens", "8")
+    assert result.returncode == 2 and "names no target model for this draft; re-run `lmpress draft`" in result.stderr, result.stderr

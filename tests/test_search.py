@@ -2,6 +2,7 @@
 levels/search stages on a tiny model, with the plan consumed by quantize --overrides."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,6 +331,29 @@ def test_search_bad_input_fails_cleanly(tmp_path, tiny_setup, real_model_folder)
     assert result.returncode != 0 and "was built for" in result.stderr and "Traceback" not in result.stderr
     assert not out.exists() and not leftovers(out)
 
+    # an output that would replace the level database the search reads (it did: exit 0, database gone),
+    # or a folder inside it
+    before = sorted(p.name for p in Path(levels).iterdir())
+    for target in (levels, Path(levels) / "plan"):
+        result = refuse_in_process("search", "--model", model, "--levels", levels, "--calibration", calibration, "--budget-bits", "3", "--out", target)
+        assert result.returncode == 2 and f"would replace the input {levels}" in result.stderr, result.stderr
+    assert sorted(p.name for p in Path(levels).iterdir()) == before
+    # a level database or latency table of the wrong shape: one line, not a KeyError
+    import json
+    import shutil
+
+    for name, manifest in (("list", [1, 2]), ("no-units", {k: v for k, v in json.loads((Path(levels) / "manifest.json").read_text()).items() if k != "units"})):
+        damaged = tmp_path / f"levels-{name}"
+        shutil.copytree(levels, damaged, ignore=shutil.ignore_patterns("*.safetensors"))
+        (damaged / "manifest.json").write_text(json.dumps(manifest))
+        result = refuse_in_process("search", "--model", model, "--levels", damaged, "--calibration", calibration, "--budget-bits", "3", "--out", out)
+        assert result.returncode == 2 and "rebuild it with `lmpress levels`" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    table = tmp_path / "latency.json"
+    table.write_text(json.dumps({"format": "lmpress-latency", "version": 1}))
+    result = refuse_in_process(*search_args(tiny_setup, out, "--budget-latency", "0.8", "--latency", table))
+    assert result.returncode == 2 and f"{table} lacks base" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not out.exists() and not leftovers(out)
+
 
 def test_joint_plan_with_dropped_blocks_assembles_through_the_stages(tmp_path, tiny_setup):
     """A plan that drops a block: drop-layers --layers, then quantize --overrides on the
@@ -378,6 +402,8 @@ def test_joint_bits_and_24_plan_assembles_through_prune(tmp_path, tiny_setup):
     searched = tmp_path / "searched"
     result = run_cli(*search_args(tiny_setup, searched, "--budget-bits", "3.0", "--sparse24", "true"))
     assert result.returncode == 0, result.stderr
+    shown = refuse_in_process("info", searched)  # a search's folder has a lineage but no config.json (info refused it as no model)
+    assert shown.returncode == 0 and "lineage" in shown.stdout and "search" in shown.stdout, shown.stderr
     report = json.loads((searched / "search.json").read_text())
     assert report["cost_per_weight"] <= 3.0 and "lmpress prune --method sparsegpt" in report["assemble"]
     assert {"bits4g32s24", "bits2g32"} <= set(report["levels"])
