@@ -623,9 +623,9 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
     from pipelines.serving import validate
 
     config.validate()
+    overrides = load_overrides(config.overrides)  # first: a plan that is not a file is that mistake, not an output inside it
     run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("quantize", {f"--method {config.method}": config.method in CALIBRATED_METHODS}),
                                              (config.overrides,))
-    overrides = load_overrides(config.overrides)
     plan = quantization_plan(loaded.model, config, overrides)
     arch = architecture_of(loaded.config)
     prefix = arch.layers
@@ -823,8 +823,8 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
     from pipelines.serving import validate
 
     config.validate()
+    overrides = load_overrides(config.overrides)  # first: a plan that is not a file is that mistake, not an output inside it
     run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("prune", config.options_needing_calibration()), (config.overrides,))
-    overrides = load_overrides(config.overrides)
     plan = pruning_plan(loaded.model, config, overrides)
     require(bool(plan), "nothing to prune: every linear was skipped")
     prefix = architecture_of(loaded.config).layers
