@@ -290,9 +290,8 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
     lineage = read_lineage(folder)
     record = lineage["chain"][-1] if lineage else {}
     if record.get("stage") == "draft":
-        lineage_file = folder / "lineage.json"
-        require(isinstance(record.get("target"), dict), f"{lineage_file} names no target model for this draft; re-run `lmpress draft`")
-        expected = record["target"]
+        expected, lineage_file = record.get("target"), folder / "lineage.json"
+        require(isinstance(expected, dict), f"{lineage_file} names no target model for this draft; re-run `lmpress draft`")
         require_keys(expected, ("model", "lineage_hash", "weights_sha256"), lineage_file, "re-run `lmpress draft`")
         actual = model_identity(target.spec, target.folder, model_chain(target.spec, target.folder, target.config))
         changed = [what for what, key in (("lineage", "lineage_hash"), ("weights", "weights_sha256")) if expected[key] != actual[key]]

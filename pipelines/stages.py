@@ -1116,9 +1116,6 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
 
     def merge_layer(index: int, layer, inputs: list) -> None:
         """`inputs`: the attention's calls on the calibration batches (none without calibration)."""
-        if not merging:
-            report["groups"][index] = [[head] for head in range(kv_before)]
-            return
         attention = layer.self_attn
         heads = AttentionHeads.of(attention, *shape)
         statistics = AttentionInputStatistics(attention, inputs) if inputs else None
@@ -1134,7 +1131,10 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
         report["groups"][index] = groups
 
     with atomic_directory(out) as tmp, progress_bar(f"kv-merge ({config.method})", model_config.num_hidden_layers) as advance:
-        if needs_calibration and merging:  # layer by layer: each layer is fitted on the outputs of the merged ones before it
+        if not merging:  # the identity: every layer as it is
+            report["groups"] = {index: [[head] for head in range(kv_before)] for index in range(model_config.num_hidden_layers)}
+            advance(model_config.num_hidden_layers)
+        elif needs_calibration:  # layer by layer: each layer is fitted on the outputs of the merged ones before it
             with closing(LayerRunner(loaded.model, calib.spread_samples(config.samples), config.batch_size, on_layer_done=lambda _: advance(),
                                      scratch=tmp)) as runner:
                 for index, layer in runner:
