@@ -79,6 +79,8 @@ def speculative_greedy(
                 choice = draft_logits.argmax(-1, keepdim=True)
                 step_input = draft_to_target[choice] if draft_to_target is not None else choice
                 proposal = torch.cat([proposal, step_input], dim=1)
+                if torch.isin(step_input, stops).any():  # nothing past an end-of-text is kept: neither offered nor counted
+                    break
         # target: verify the last accepted token and the k proposals in one pass
         _trim_cache(target_cache, tokens.shape[1] - 1)
         logits = target(input_ids=proposal[:, tokens.shape[1] - 1 :], past_key_values=target_cache, use_cache=True).logits[0]

@@ -54,13 +54,21 @@ def test_a_remapped_draft_vocabulary_is_verified_in_target_ids(target_and_prompt
     assert torch.equal(unmapped.tokens, greedy) and unmapped.acceptance_rate < 0.5
 
 
-def test_decoding_stops_after_an_end_of_text_token_as_generate_does(target_and_prompt):
+@pytest.mark.parametrize("position", [6, 7, 8, 9])  # each the first new token of its id, reached in an accepted run
+def test_decoding_stops_after_an_end_of_text_token_as_generate_does(target_and_prompt, position):
+    """The output ends as generate's does, whatever the draft, and no draft token past the end is
+    offered or counted: every accepted draft token and every target forward's token is kept,
+    but the last forward's when the end cut it."""
     target, prompt, greedy = target_and_prompt
-    eos = int(greedy[0, prompt.shape[1] + 10])  # a token the target emits 11th
-    stopped = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    eos = int(greedy[0, prompt.shape[1] + position])
+    # the prompt holds token 0: without a mask generate would take it for padding
+    stopped = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert stopped.shape[1] - prompt.shape[1] == position + 1
     for draft in (target, tiny(1)):
         result = speculative_greedy(target, draft, prompt, 30, 4, eos_token_id=eos)
-        assert torch.equal(result.tokens, stopped) and result.new_tokens == stopped.shape[1] - prompt.shape[1] <= 11
+        assert torch.equal(result.tokens, stopped)
+        assert result.accepted + result.target_forwards - 1 <= result.new_tokens <= result.accepted + result.target_forwards
+    assert result.acceptance_rate < 1.0 and speculative_greedy(target, target, prompt, 30, 4, eos_token_id=eos).acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
