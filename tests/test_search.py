@@ -38,6 +38,11 @@ def test_allocations_and_mutations_stay_within_budget():
             genome = mutate(units, genome, budget, rng)
             assert genome_cost(units, genome) <= budget
     assert uniform_genome(units, 3.0 * total) == [2] * len(units)  # exactly the 3-bit level
+    # between two levels the cheaper one is spread over depth, not given to the first units
+    even = [Unit(f"u{i}", 100, ("bits4", "bits2"), (4.0, 2.0), i // 7) for i in range(210)]
+    cheaper = [i for i, level in enumerate(uniform_genome(even, 3.0 * 100 * 210)) if level == 1]
+    assert len(cheaper) == 105 and sum(i < 105 for i in cheaper) in range(50, 56)
+    assert all(sum(i // 7 == block for i in cheaper) in (3, 4) for block in range(30))  # every block: 3 or 4 of 7
     with pytest.raises(LmpressError, match="no assignment.*cheapest one costs 2 per weight; raise it"):
         check_budget(units, 1.9 * total, "1.9 bits", lambda cost: f"{cost / total:g} per weight", "raise it")
     with pytest.raises(LmpressError, match="leaves nothing to search: every unit at its least compressed level costs 8 per weight"):
