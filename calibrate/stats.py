@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from pipelines.artifact import read_json, read_lineage, read_safetensors, require_keys
-from pipelines.errors import require
+from pipelines.errors import require, require_input
 from pipelines.models import head_dim_of
 
 CALIBRATION_FORMAT = "lmpress-calibration/1"
@@ -204,8 +204,7 @@ class CalibrationData:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        require(self.folder.exists(), f"calibration artifact {self.folder} does not exist; run `lmpress calibrate` first")
-        require(self.folder.is_dir(), f"calibration artifact {self.folder} is a file; pass the folder `lmpress calibrate` wrote")
+        require_input(self.folder, True, "calibration artifact", "pass the folder `lmpress calibrate` wrote")
         self.manifest = read_json(self.folder / "manifest.json", "re-run `lmpress calibrate`") if (self.folder / "manifest.json").is_file() else {}
         require(
             self.manifest.get("format") == CALIBRATION_FORMAT,

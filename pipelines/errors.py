@@ -17,6 +17,16 @@ def require(condition: bool, message: str) -> None:
         raise LmpressError(message)
 
 
+def require_input(path, directory: bool, what: str, fix: str) -> None:
+    """An input the user named exists and is the kind it must be (a folder or a file)."""
+    from pathlib import Path
+
+    path = Path(path)
+    require(path.exists(), f"{what} {path} does not exist; {fix}")
+    kind, other = ("folder", "file") if directory else ("file", "folder")
+    require(path.is_dir() == directory, f"{what} {path} is a {other}, not a {kind}; {fix}")
+
+
 def reason(error: BaseException, limit: int = 200) -> str:
     """A library's exception as the short reason inside a one-line message."""
     return " ".join(str(error).split())[:limit] or type(error).__name__

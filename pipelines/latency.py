@@ -45,7 +45,7 @@ from torch import nn
 
 from compressors.search import Unit
 from pipelines.artifact import read_json, require_keys, require_output_path, write_json
-from pipelines.errors import LmpressError, require
+from pipelines.errors import LmpressError, require, require_input
 
 LATENCY_FORMAT = "lmpress-latency"
 LATENCY_VERSION = 1
@@ -350,7 +350,7 @@ class LatencyTable:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        require(self.path.is_file(), f"latency table {self.path} does not exist; measure it with `lmpress latency`")
+        require_input(self.path, False, "latency table", "measure it with `lmpress latency`")
         self.table = read_json(self.path, "measure it again with `lmpress latency`")
         require(
             isinstance(self.table, dict) and self.table.get("format") == LATENCY_FORMAT and self.table.get("version") == LATENCY_VERSION,

@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from compressors.search import STARTS, SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
 from compressors.structured import LayerSubset
 from pipelines.artifact import ResumeFolder, atomic_directory, file_sha256, inputs_key, read_json, read_safetensors, require_keys, write_json, write_lineage
-from pipelines.errors import require
+from pipelines.errors import require, require_input
 from pipelines.evaluation import LMHead, score_windows
 from pipelines.latency import LatencyTable
 from pipelines.models import architecture_of, decoder_layers, layer_linears
@@ -190,7 +190,7 @@ class LevelDatabase:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        require(self.folder.is_dir(), f"level database {self.folder} does not exist; build it with `lmpress levels`")
+        require_input(self.folder, True, "level database", "build it with `lmpress levels`")
         self.manifest = read_json(self.folder / "manifest.json", "rebuild it with `lmpress levels`")
         require(isinstance(self.manifest, dict), f"{self.folder / 'manifest.json'} is not a JSON object; rebuild it with `lmpress levels`")
         params = {"clip_search": False, **self.manifest.get("params", {})}  # databases from before clip search: min-max

@@ -33,7 +33,7 @@ from pipelines.artifact import (
     write_json,
     write_lineage,
 )
-from pipelines.errors import LmpressError, require
+from pipelines.errors import LmpressError, require, require_input
 from pipelines.evaluation import LMHead, score_windows, size_metrics
 from pipelines.models import (
     architecture_of, decoder_layers, head_dim_of, is_quantized, layer_linears, load_config, load_model, map_weights, release_weights, resolve_model,
@@ -490,8 +490,7 @@ def load_overrides(path: str) -> dict:
 
     if not path:
         return {}
-    require(Path(path).exists(), f"overrides file {path} does not exist; pass a YAML file of {{regex: {{bits: 3}}}}")
-    require(Path(path).is_file(), f"overrides {path} is a folder; pass a YAML file of {{regex: {{bits: 3}}}}, such as a search's plan.yaml")
+    require_input(path, False, "overrides", "pass a YAML file of {regex: {bits: 3}}, such as a search's plan.yaml")
     try:
         overrides = yaml.load(Path(path).read_text(), Loader=_unique_key_loader()) or {}
     except UnicodeDecodeError:

@@ -209,7 +209,7 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert "'model.layers.0.mlp.down_proj' is given twice" in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
     plan.write_bytes(bytes(range(256)))
     assert "is not a text file" in error("--method", "rtn", "--group-size", "32", "--overrides", plan)
-    assert f"overrides {tmp_path} is a folder" in error("--method", "rtn", "--group-size", "32", "--overrides", tmp_path)
+    assert f"overrides {tmp_path} is a folder, not a file" in error("--method", "rtn", "--group-size", "32", "--overrides", tmp_path)
 
 
 def test_a_quantized_model_is_refused_by_every_stage(tmp_path, tiny_folder):

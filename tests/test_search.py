@@ -483,6 +483,7 @@ def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup)
         (("--budget-latency", "0.95", "--latency", table_file), "let the search drop blocks (--drop true)"),
         (("--budget-latency", "0.95"), "--budget-latency needs --latency"),
         (("--budget-latency", "0.95", "--latency", tmp_path / "none.json", "--drop", "true"), "does not exist; measure it with `lmpress latency`"),
+        (("--budget-latency", "0.95", "--latency", bare, "--drop", "true"), "is a folder, not a file; measure it with `lmpress latency`"),
     ]:
         result = refuse_in_process(*search_args(tiny_setup, tmp_path / "refused", *extra))
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
@@ -490,6 +491,8 @@ def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup)
     other.write_text(json.dumps({**table, "base": {**table["base"], "weights_sha256": "0" * 64, "model": "another"}}))
     result = refuse_in_process(*search_args(tiny_setup, tmp_path / "refused", "--budget-latency", "0.95", "--latency", other, "--drop", "true"))
     assert result.returncode == 2 and "was measured on another, not this model" in result.stderr
+    result = refuse_in_process("latency", "--model", model, "--levels", table_file, "--out", tmp_path / "long.json")
+    assert result.returncode == 2 and "is a file, not a folder; build it with `lmpress levels`" in result.stderr
     result = refuse_in_process("latency", "--model", model, "--levels", levels, "--context", "500", "--out", tmp_path / "long.json")
     assert result.returncode == 2 and "--context 500 leaves no room" in result.stderr
     (bare / "config.json").write_text((bare / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
