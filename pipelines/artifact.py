@@ -49,12 +49,13 @@ def write_json(path: Path, data) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def require_output_path(path: Path, directory: bool, inputs: tuple = ()) -> None:
+def require_output_path(path: Path, directory: bool, inputs: tuple = (), kind: str | None = None) -> None:
     """Fail before any work when `path` cannot become a stage's output (a directory, or a
     file): it lies in lmpress's model cache, writing it would replace one of the local
     `inputs` (a model folder or calibration artifact the run reads), a folder holding one or a
-    part of one, a report (a file) would land inside an artifact or model folder, or
-    `require_output_kind` refuses it."""
+    part of one, a report (a file) would land inside an artifact or model folder, an earlier
+    output of another `kind` than this one (see `output_kind`: a mistyped --out would destroy
+    it), or `require_output_kind` refuses it."""
     path = Path(path).expanduser()
     target = path.resolve()
     from pipelines.models import model_cache
@@ -69,10 +70,28 @@ def require_output_path(path: Path, directory: bool, inputs: tuple = ()) -> None
             target != source and target not in source.parents and source not in target.parents,
             f"output path {path} would replace the input {given} or a part of it; write the result to another folder",
         )
+    earlier = output_kind(path) if kind and path.is_dir() else None
+    require(
+        earlier in (None, kind),
+        f"output path {path} holds an earlier {earlier} output, which this {kind} run would replace; "
+        "pass a new folder, or remove that one first",
+    )
     if not directory:  # a report written into an artifact or model would replace one of its files (its metrics, lineage, manifest)
         holder = artifact_holding(target)
         require(holder is None, f"output path {path} lies inside {holder}, an artifact or model folder whose files it could replace; write the report outside it")
     require_output_kind(path, directory)
+
+
+def output_kind(folder: Path) -> str | None:
+    """What an lmpress output folder holds: the stage of its lineage's last record ("quantize",
+    "calibrate", ...), or a manifest's format less its version (a KL reference cache is
+    "lmpress-reference"); None for anything else."""
+    for name, kind_of in ((LINEAGE_FILE, lambda data: data["chain"][-1]["stage"]), ("manifest.json", lambda data: data["format"].split("/")[0])):
+        try:
+            return str(kind_of(json.loads((Path(folder) / name).read_text())))
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            continue  # missing or not lmpress's: the next marker, or no kind
+    return None
 
 
 def artifact_holding(path: Path) -> Path | None:

@@ -139,7 +139,7 @@ def level_database(model: str, calibration: Path | None, out: Path, config: Leve
     needs_statistics = needed_by("levels", {
         "--method gptq": config.method == "gptq", "--sparse24 true": config.sparse24, f"--sparsity {config.sparsity}": bool(config.sparsity_levels),
     })
-    run, loaded, chain, calib = begin_stage(model, calibration, out, needs_statistics)
+    run, loaded, chain, calib = begin_stage("levels", model, calibration, out, needs_statistics)
     linears = list(planned_linears(loaded.model, "", {}, None))
     for name, module, _ in linears:
         for level in config.quantized_levels:
@@ -384,7 +384,7 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     interrupted search resumes from its last generation."""
     config.validate()
     database = LevelDatabase(levels)
-    run, loaded, chain, calib = begin_stage(model, calibration, out, "search", (levels, config.latency))
+    run, loaded, chain, calib = begin_stage("search", model, calibration, out, "search", (levels, config.latency))
     database.check_model(chain)
     units, budget, latency = _budgeted_units(config, database, chain)
     linear_weights = sum(u.size for u in units if not u.is_block)

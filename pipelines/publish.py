@@ -21,7 +21,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.artifact import atomic_directory, chain_hash, file_sha256, read_json, read_lineage, require_output_path, write_json
+from pipelines.artifact import atomic_directory, chain_hash, file_sha256, read_json, output_kind, read_lineage, require_output_path, write_json
 from pipelines.errors import LmpressError, require
 
 CARD_FILE = "README.md"
@@ -566,7 +566,7 @@ def publish(folder: Path, config: PublishConfig, out: Path | None = None, receip
         token = _hub_token()
     card = model_card(facts, config.repo_id)
     staging = Path(out) if out is not None else Path(folder).parent / f".{Path(folder).name}.publish-{os.getpid()}"
-    require_output_path(staging, directory=True, inputs=(folder,))
+    require_output_path(staging, directory=True, inputs=(folder,), kind=output_kind(folder))  # a copy of the artifact
     files = write_upload_folder(facts, card, staging)
     result = {
         "repo_id": config.repo_id, "revision": config.revision, "private": config.private,

@@ -66,7 +66,7 @@ class CalibrateConfig:
 def calibrate(model: str, out: Path, config: CalibrateConfig) -> Path:
     """Sample token windows, walk the model layer by layer and store per-linear statistics."""
     config.validate()
-    require_output_path(out, directory=True, inputs=(model,))
+    require_output_path(out, directory=True, inputs=(model,), kind="calibrate")
     run = StageRun()
     repeated = held_out_text_in(config.corpus)  # before the model loads: a user file's copies are held in memory
     if repeated:
@@ -315,8 +315,8 @@ def base_layer_indices(lineage: dict | None) -> list[int] | None:
     return indices
 
 
-def begin_stage(model: str, calibration: Path | None, out: Path, needs_calibration: str | None, other_inputs: tuple = ()):
-    """What every compression stage does first: check the output path and that calibration is
+def begin_stage(stage: str, model: str, calibration: Path | None, out: Path, needs_calibration: str | None, other_inputs: tuple = ()):
+    """What every compression stage (named `stage`, as its lineage record) does first: check the output path and that calibration is
     given where needed (before any loading), start the clock, load the model, and open the
     calibration artifact checked against the model's base. `needs_calibration` names the
     command and options that need it (see `needed_by`), None where it is optional;
@@ -325,7 +325,7 @@ def begin_stage(model: str, calibration: Path | None, out: Path, needs_calibrati
     (run, loaded, chain, calib). A quantized model is refused: every stage computes on dense
     weights and writes them dense (a stage that shrank a decompressed model wrote a quantization
     config over dense layers, which no loader opens), so quantizing comes last."""
-    require_output_path(out, directory=True, inputs=(model, calibration, *other_inputs))
+    require_output_path(out, directory=True, inputs=(model, calibration, *other_inputs), kind=stage)
     require_calibration(calibration, needs_calibration)
     require(
         not is_quantized(resolve_model(model)),
@@ -623,7 +623,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
 
     config.validate()
     overrides = load_overrides(config.overrides)  # first: a plan that is not a file is that mistake, not an output inside it
-    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("quantize", {f"--method {config.method}": config.method in CALIBRATED_METHODS}),
+    run, loaded, chain, calib = begin_stage("quantize", model, calibration, out, needed_by("quantize", {f"--method {config.method}": config.method in CALIBRATED_METHODS}),
                                              (config.overrides,))
     plan = quantization_plan(loaded.model, config, overrides)
     arch = architecture_of(loaded.config)
@@ -823,7 +823,7 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
 
     config.validate()
     overrides = load_overrides(config.overrides)  # first: a plan that is not a file is that mistake, not an output inside it
-    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("prune", config.options_needing_calibration()), (config.overrides,))
+    run, loaded, chain, calib = begin_stage("prune", model, calibration, out, needed_by("prune", config.options_needing_calibration()), (config.overrides,))
     plan = pruning_plan(loaded.model, config, overrides)
     require(bool(plan), "nothing to prune: every linear was skipped")
     prefix = architecture_of(loaded.config).layers
@@ -948,7 +948,7 @@ def prune_structured(model: str, calibration: Path | None, out: Path, config: St
     from pipelines.models import LAYER_WIDTHS
 
     config.validate()
-    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by("prune-structured", {
+    run, loaded, chain, calib = begin_stage("prune-structured", model, calibration, out, needed_by("prune-structured", {
         f"--scorer {config.scorer}": config.scorer != "magnitude", "--bias-compensation true": config.bias_compensation,
         f"--recovery-steps {config.recovery_steps}": config.recovery_steps > 0,
     }))
@@ -1010,7 +1010,7 @@ def drop_layers(model: str, calibration: Path | None, out: Path, config: DropLay
     config.validate()
     given = config.given_layers()
     needs_influence = config.scorer == "influence" and not given
-    run, loaded, chain, calib = begin_stage(model, calibration, out, needed_by(
+    run, loaded, chain, calib = begin_stage("drop-layers", model, calibration, out, needed_by(
         "drop-layers", {f"--scorer {config.scorer}": needs_influence, f"--recovery-steps {config.recovery_steps}": config.recovery_steps > 0}))
     layers = decoder_layers(loaded.model)
     count = len(given) or config.n
@@ -1101,7 +1101,7 @@ def kv_merge(model: str, calibration: Path | None, out: Path, config: KVMergeCon
         f"--method {config.method}": config.method == "aligned" and merging, f"--kv-heads {config.kv_heads}": grouping,
         f"--heal-steps {config.heal_steps}": config.heal_steps > 0,
     })
-    run, loaded, chain, calib = begin_stage(model, calibration, out, needs_calibration)
+    run, loaded, chain, calib = begin_stage("kv-merge", model, calibration, out, needs_calibration)
     model_config = loaded.config
     require(
         config.method == "mean" or not merging or not hasattr(decoder_layers(loaded.model)[0].self_attn, "k_norm"),
@@ -1238,7 +1238,7 @@ def draft(target: str, calibration: Path | None, out: Path, config: DraftConfig)
     from pipelines.serving import dense_copy
 
     config.validate()
-    require_output_path(out, directory=True, inputs=(target, calibration, config.draft or None))
+    require_output_path(out, directory=True, inputs=(target, calibration, config.draft or None), kind="draft")
     require_calibration(calibration, "draft")
     run = StageRun()
     target_folder = resolve_model(target)

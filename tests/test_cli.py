@@ -195,6 +195,29 @@ def test_evaluate_generate_and_validate_refuse_bad_paths_and_values(tmp_path):
     assert list(tmp_path.glob(".*partial*")) == []
 
 
+def test_an_output_of_another_kind_is_never_replaced(tmp_path, real_model_folder):
+    """A mistyped --out that names an earlier output of another stage (a calibration, a draft)
+    is refused before any work, and the output is left as it was; one of the same kind is
+    replaced, as re-running a stage does."""
+    from pipelines.stages import QuantizeConfig, quantize
+    from conftest import save_tiny, tiny_config
+
+    model, calibration = tmp_path / "tiny", tmp_path / "cal"
+    save_tiny(model, tiny_config("llama"), real_model_folder, calibration)
+    quantized = quantize(str(model), calibration, tmp_path / "q", QuantizeConfig(method="rtn", bits=4, group_size=32))
+    before = {p.name: p.read_bytes() for p in (*calibration.iterdir(), *quantized.iterdir()) if p.is_file()}
+    assert_user_error(refuse_in_process("quantize", "--model", model, "--method", "rtn", "--group-size", "32", "--out", calibration),
+                      f"output path {calibration} holds an earlier calibrate output, which this quantize run would replace")
+    assert_user_error(refuse_in_process("calibrate", "--model", model, "--out", quantized, *SMALL), "holds an earlier quantize output, which this calibrate run")
+    assert_user_error(refuse_in_process("drop-layers", "--model", model, "--layers", "1", "--out", quantized), "holds an earlier quantize output, which this drop-layers run")
+    assert_user_error(refuse_in_process("publish", quantized, "--repo-id", "me/tiny", "--dry-run", "--out", calibration),
+                      "holds an earlier calibrate output, which this quantize run would replace")
+    assert {p.name: p.read_bytes() for p in (*calibration.iterdir(), *quantized.iterdir()) if p.is_file()} == before
+    again = run_cli("quantize", "--model", model, "--method", "rtn", "--bits", "8", "--group-size", "32", "--out", quantized)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((quantized / "lineage.json").read_text())["chain"][-1]["params"]["bits"] == 8
+
+
 def test_generate_refuses_a_request_beyond_the_context_before_loading_the_weights(monkeypatch):
     """The prompt and --max-new-tokens are checked from the config and tokenizer alone: the
     error comes at once, not after a load (a packed artifact's decompression bars)."""
