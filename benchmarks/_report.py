@@ -8,15 +8,19 @@ from pathlib import Path
 CORPORA = ("austen-heldout", "pydoc-heldout")
 
 
-def quality_arguments(default_runs: str, out_name: str):
-    """The options every quality benchmark takes: model, calibration, reference, runs, out."""
+def quality_arguments(default_runs: str | None, out_name: str, levels: bool = False):
+    """The options every quality benchmark takes: model, calibration, reference, out, and
+    runs (unless None) or a level database (`levels`)."""
     import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
-    parser.add_argument("--runs", default=default_runs)
+    if levels:
+        parser.add_argument("--levels", type=Path, default=Path("artifacts/levels"))
+    if default_runs is not None:
+        parser.add_argument("--runs", default=default_runs)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / out_name)
     return parser
 

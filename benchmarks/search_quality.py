@@ -29,7 +29,6 @@ Results: benchmarks/results/search_quality.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -43,7 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
 
-from benchmarks._report import CORPORA, scratch_directory  # noqa: E402
+from benchmarks._report import CORPORA, quality_arguments, scratch_directory  # noqa: E402
 from compressors.search import genome_cost, sensitivity_genome, uniform_genome  # noqa: E402
 from pipelines.errors import LmpressError  # noqa: E402
 from pipelines.evaluation import LMHead  # noqa: E402
@@ -74,11 +73,7 @@ def least_influential_dropped(units: list, budget: float, influence: list[float]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--levels", type=Path, default=Path("artifacts/levels"))
-    parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
-    parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
+    parser = quality_arguments(None, "search_quality", levels=True)
     parser.add_argument("--experiments", default="bits:3.25,sparsity:0.6,bits:3.25:drop")
     parser.add_argument("--generations", type=int, default=100)
     parser.add_argument("--offspring", type=int, default=16)
@@ -86,7 +81,6 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--starts", default="uniform", help="first parents of the evolutionary runs: uniform and/or sensitivity")
     parser.add_argument("--latency", type=Path, help="latency table (`lmpress latency`) for latency experiments")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "search_quality")
     args = parser.parse_args()
 
     from calibrate.stats import CalibrationData

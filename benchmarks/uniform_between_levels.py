@@ -15,7 +15,6 @@ calibration windows of 256 tokens). Results: benchmarks/results/uniform_between_
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import CORPORA  # noqa: E402
+from benchmarks._report import CORPORA, quality_arguments  # noqa: E402
 from benchmarks.search_quality import held_out  # noqa: E402
 from benchmarks.search_scaling import searched_units  # noqa: E402
 from compressors import search  # noqa: E402
@@ -46,13 +45,8 @@ def first_in_order(units, budget):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--levels", type=Path, default=Path("artifacts/levels"))
-    parser.add_argument("--calibration", type=Path, default=Path("artifacts/calibration"))
-    parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
+    parser = quality_arguments(None, "uniform_between_levels", levels=True)
     parser.add_argument("--cases", default="2+4:3.25,all:2.75,all:3.75")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "uniform_between_levels")
     args = parser.parse_args()
 
     from calibrate.stats import CalibrationData
