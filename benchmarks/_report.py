@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CORPORA = ("austen-heldout", "pydoc-heldout")
-
-
 def quality_arguments(default_runs: str | None, out_name: str, levels: bool = False):
     """The options every quality benchmark takes: model, calibration, reference, out, and
     runs (unless None) or a level database (`levels`)."""
@@ -27,14 +24,25 @@ def quality_arguments(default_runs: str | None, out_name: str, levels: bool = Fa
 
 def evaluation_config(reference: Path):
     """The evaluation settings `reference` was built with (so a benchmark scores against the
-    pipeline's reference whatever its window count), or the defaults where it is still to be built."""
+    pipeline's reference whatever its corpora and window count), or the defaults where it is
+    still to be built."""
     from pipelines.stages import EvaluateConfig
 
     manifest = Path(reference) / "manifest.json"
     if not manifest.is_file():
         return EvaluateConfig()
     built = json.loads(manifest.read_text())
-    return EvaluateConfig(windows=built["windows"], seq_len=built["seq_len"])
+    return EvaluateConfig(corpora=",".join(built["corpora"]), windows=built["windows"], seq_len=built["seq_len"])
+
+
+def reference_corpora(reference: Path) -> list[str]:
+    """The held-out corpora a benchmark reports: those of `reference`."""
+    return evaluation_config(reference).corpus_list
+
+
+def row_corpora(row: dict) -> list[str]:
+    """The corpora a flattened metrics row holds, in its order."""
+    return [key.removesuffix(".kl_to_base") for key in row if key.endswith(".kl_to_base")]
 
 
 def scratch_directory() -> Path:
@@ -63,11 +71,12 @@ def write_quality_table(rows: list[dict], out: Path, first: str, extra: tuple[st
     """rows -> out.json and out.md: run, `first` column, ppl / KL / top-1 per corpus, `extra`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
-    header = f"| run | {first} | " + " | ".join(f"{c} ppl | {c} KL | {c} top-1" for c in CORPORA) + " | " + " | ".join(extra) + " |"
-    lines = [header, "|" + "---|" * (3 * len(CORPORA) + 2 + len(extra))]
+    corpora = row_corpora(rows[0])
+    header = f"| run | {first} | " + " | ".join(f"{c} ppl | {c} KL | {c} top-1" for c in corpora) + " | " + " | ".join(extra) + " |"
+    lines = [header, "|" + "---|" * (3 * len(corpora) + 2 + len(extra))]
     for row in rows:
         cells = [row["run"], str(row.get(first, ""))]
-        for corpus in CORPORA:
+        for corpus in corpora:
             cells += [f"{row[f'{corpus}.perplexity']:.2f}", f"{row[f'{corpus}.kl_to_base']:.4f}", f"{row[f'{corpus}.top1_agreement']:.3f}"]
         cells += [str(row.get(column, "")) for column in extra]
         lines.append("| " + " | ".join(cells) + " |")

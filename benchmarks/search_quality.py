@@ -42,7 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
 
-from benchmarks._report import CORPORA, quality_arguments, scratch_directory  # noqa: E402
+from benchmarks._report import quality_arguments, reference_corpora, scratch_directory  # noqa: E402
 from compressors.search import genome_cost, sensitivity_genome, uniform_genome  # noqa: E402
 from pipelines.errors import LmpressError  # noqa: E402
 from pipelines.evaluation import LMHead  # noqa: E402
@@ -58,7 +58,7 @@ METRICS = {"kl": "kl_to_base", "perplexity": "perplexity", "top1": "top1_agreeme
 def held_out(candidates: Candidates, genome: list[int], reference: Path, batch_size: int = 4) -> dict:
     candidates.apply(genome)
     head = LMHead.load(reference / "lm_head.safetensors", rebuild_reference(reference))
-    return {corpus: reference_metrics(candidates.model, reference, corpus, head, batch_size) for corpus in CORPORA}
+    return {corpus: reference_metrics(candidates.model, reference, corpus, head, batch_size) for corpus in reference_corpora(reference)}
 
 
 def least_influential_dropped(units: list, budget: float, influence: list[float], top_level: str) -> list[int]:
@@ -153,7 +153,7 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps({"settings": vars(args) | {"levels": str(args.levels), "calibration": str(args.calibration),
                                                                                   "reference": str(args.reference), "out": str(args.out)},
                                                          "levels": database.manifest["params"], "rows": rows}, indent=2, default=str) + "\n")
-    columns = ["cost", "dropped_blocks", "calibration_kl", *[f"{c}.{k}" for c in CORPORA for k in ("kl", "perplexity", "top1")],
+    columns = ["cost", "dropped_blocks", "calibration_kl", *[f"{c}.{k}" for c in reference_corpora(args.reference) for k in ("kl", "perplexity", "top1")],
                "evaluations", "wall_s"]
     lines = ["| experiment | method | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     lines += [f"| {r['experiment']} | {r['method']} | " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import CORPORA, quality_arguments  # noqa: E402
+from benchmarks._report import quality_arguments, reference_corpora  # noqa: E402
 from benchmarks.search_quality import held_out  # noqa: E402
 from benchmarks.search_scaling import searched_units  # noqa: E402
 from compressors import search  # noqa: E402
@@ -77,12 +77,13 @@ def main() -> None:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    corpora = reference_corpora(args.reference)
     header = "| levels:budget | allocation | bits/weight | cheaper level | blocks holding it | calibration KL | " + " | ".join(
-        f"{c} {m}" for c in CORPORA for m in ("KL", "ppl", "top-1")) + " |"
+        f"{c} {m}" for c in corpora for m in ("KL", "ppl", "top-1")) + " |"
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for r in rows:
         cells = [r["case"], r["allocation"], r["bits_per_weight"], r["cheaper_level"], r["blocks_holding_it"], r["calibration_kl"]]
-        cells += [f"{r[c][k]:.4g}" for c in CORPORA for k in ("kl_to_base", "perplexity", "top1_agreement")]
+        cells += [f"{r[c][k]:.4g}" for c in corpora for k in ("kl_to_base", "perplexity", "top1_agreement")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     title = ["# The uniform allocation between two levels: first in order against spread over depth", "",
              f"`benchmarks/uniform_between_levels.py --levels {args.levels} --reference {args.reference} --cases {args.cases}`; "

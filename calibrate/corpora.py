@@ -1,8 +1,10 @@
 """Text sources, token windows and seeded sampling.
 
-Named corpora come in disjoint calibration / held-out pairs; every document carries an id
-(`austen/emma`, `pydoc/assert`, `file:<sha>/<line>`) so a stage can prove that evaluation text
-was never calibration text. A corpus spec joins parts with `+`
+Named corpora come in disjoint calibration / held-out pairs, and one out-of-domain held-out
+corpus with no calibration part (`reuters-heldout`: newswire, a domain the default
+calibration mix never sees); every document carries an id (`austen/emma`, `pydoc/assert`,
+`reuters/10`, `file:<sha>/<line>`) so a stage can prove that evaluation text was never
+calibration text. A corpus spec joins parts with `+`
 (`austen-calib+pydoc-calib`); calibration draws an equal share of samples from each part, so
 one large part does not crowd out the other domain.
 """
@@ -28,6 +30,8 @@ PYDOC_HELDOUT_EVERY = 5  # every 5th topic (in sorted order) is held out
 SHARED_RUN_WORDS = 24  # a calibration paragraph sharing a run of this many words with held-out text is dropped
 
 _AUSTEN_DATA = Path("usr/lib/R/site-library/janeaustenr/data")
+_REUTERS_DATA = Path("usr/lib/R/site-library/tm/texts")
+REUTERS_TOPICS = ("acq", "crude")  # the two Reuters-21578 samples R's tm package ships: 50 + 20 articles
 
 
 @dataclass(frozen=True)
@@ -39,14 +43,22 @@ class Document:
 # --------------------------------------------------------------------------- sources
 
 
-def _austen_data_dir() -> Path:
-    for root in (cache_root() / "janeaustenr", Path("/")):
-        if (root / _AUSTEN_DATA / "Rdata.rdb").is_file():
-            return root / _AUSTEN_DATA
+def _debian_data_dir(unpacked: str, data: Path, probe: str, what: str, package: str) -> Path:
+    """A Debian package's data folder: unpacked by scripts/setup.sh into the cache, or installed."""
+    for root in (cache_root() / unpacked, Path("/")):
+        if (root / data / probe).exists():
+            return root / data
     raise LmpressError(
-        "the Austen novels are not installed; run scripts/setup.sh (it unpacks Debian's r-cran-janeaustenr "
-        f"into {cache_root() / 'janeaustenr'})"
+        f"{what} not installed; run scripts/setup.sh (it unpacks Debian's {package} into {cache_root() / unpacked})"
     )
+
+
+def _austen_data_dir() -> Path:
+    return _debian_data_dir("janeaustenr", _AUSTEN_DATA, "Rdata.rdb", "the Austen novels are", "r-cran-janeaustenr")
+
+
+def _reuters_data_dir() -> Path:
+    return _debian_data_dir("tm", _REUTERS_DATA, "crude", "the Reuters newswire articles are", "r-cran-tm")
 
 
 @lru_cache(maxsize=1)
@@ -120,6 +132,22 @@ def _pydoc(held_out: bool) -> list[Document]:
     return documents
 
 
+def _reuters() -> list[Document]:
+    """Reuters-21578 newswire from 1987 (corporate acquisitions and crude oil; 70 articles, about
+    12k words), each its title and body: out-of-domain text for the default calibration mix of
+    novels and Python documentation, the check that a method's gain is not fitted to its
+    calibration domains. Too small to split, so it has no calibration part."""
+    from xml.etree import ElementTree
+
+    documents = []
+    for topic in REUTERS_TOPICS:
+        for path in sorted((_reuters_data_dir() / topic).glob("*.xml")):
+            article = ElementTree.parse(path).getroot()
+            text = article.find("TEXT")
+            documents.append(Document(f"reuters/{article.get('NEWID')}", f"{text.findtext('TITLE', '')}\n{text.findtext('BODY', '')}"))
+    return documents
+
+
 def _runs(text: str):
     """Every run of SHARED_RUN_WORDS consecutive words (split on whitespace: line breaks and
     spacing do not hide a copy)."""
@@ -143,6 +171,7 @@ NAMED_CORPORA = {
     "austen-heldout": lambda: _austen(held_out=True),
     "pydoc-calib": lambda: _pydoc(held_out=False),
     "pydoc-heldout": lambda: _pydoc(held_out=True),
+    "reuters-heldout": _reuters,
 }
 
 

@@ -54,11 +54,13 @@ def sparsegpt_prune(
     grid: GridSpec | None = None,
     keep: torch.Tensor | None = None,
     clip_search: bool = False,
+    shrinkage: float = 0.0,
 ) -> PrunedLinear:
-    """weight [out, in], hessian E[x x^T]; `pattern` picks the mask, or `keep` fixes it."""
+    """weight [out, in], hessian E[x x^T]; `pattern` picks the mask, or `keep` fixes it.
+    `damp` and `shrinkage` regularize the Hessian as GPTQ's (`inverse_hessian_factor`)."""
     W, H = prepared(weight, hessian)
     rows, columns = W.shape
-    Hinv = inverse_hessian_factor(H, damp)
+    Hinv = inverse_hessian_factor(H, damp, shrinkage)
     salience_scale = Hinv.diagonal() ** 2
     fixed = keep is not None
     keep = keep.clone() if fixed else torch.ones(rows, columns, dtype=torch.bool)

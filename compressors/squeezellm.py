@@ -47,11 +47,11 @@ def check_bits(bits: int) -> None:
 
 def squeezellm_quantize(
     weight: torch.Tensor, sensitivity: torch.Tensor, bits: int, hessian: torch.Tensor | None = None, damp: float = 0.01,
-    act_order: bool = True, max_iter: int = 50,
+    act_order: bool = True, max_iter: int = 50, shrinkage: float = 0.0,
 ) -> CodebookLinear:
     """Weighted k-means (scikit-learn) of each row of `weight` [out, in] into 2^bits values,
     with per-column weights `sensitivity` [in]; then each weight's index is its nearest entry,
-    or, given the `hessian` E[x x^T], GPTQ's choice. Deterministic: the centroids start at the
+    or, given the `hessian` E[x x^T], GPTQ's choice (`damp`, `shrinkage`: its regularization). Deterministic: the centroids start at the
     row's sensitivity-weighted quantiles, so no random restarts are needed."""
     from sklearn.cluster import KMeans
     from sklearn.exceptions import ConvergenceWarning
@@ -80,7 +80,7 @@ def squeezellm_quantize(
         from compressors.gptq import gptq_quantize
         from compressors.grid import GridSpec
 
-        return gptq_quantize(weight, hessian, GridSpec(bits, -1), damp, act_order, codebook=table)
+        return gptq_quantize(weight, hessian, GridSpec(bits, -1), damp, act_order, codebook=table, shrinkage=shrinkage)
     indices = nearest_entry(weight.float().cpu(), table)
     return CodebookLinear(indices.to(torch.uint8), table, bits)
 

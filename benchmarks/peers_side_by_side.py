@@ -1,15 +1,17 @@
-"""lmpress vs llm-compressor, GPTQ on the same model, calibration tokens and held-out text.
+"""lmpress against its peers on the same model, calibration tokens and held-out text:
+llm-compressor's GPTQ and HQQ (calibration-free half-quadratic quantization).
 
-    .venv/bin/python benchmarks/llmcompressor_side_by_side.py [--calibration artifacts/calibration]
+    .venv/bin/python benchmarks/peers_side_by_side.py [--calibration artifacts/calibration]
         [--reference artifacts/reference] [--bits 4,3] [--group-size 64]
-        [--tools llm-compressor,lmpress,lmpress-whole,lmpress-stored,lmpress-bf16] [--out FILE]
-    .venv/bin/python benchmarks/llmcompressor_side_by_side.py --merge A.json B.json [--out FILE]
+        [--tools llm-compressor,hqq,lmpress+clip,...] [--out FILE]
+    .venv/bin/python benchmarks/peers_side_by_side.py --merge A.json B.json [--out FILE]
 
-llm-compressor is installed by this script into its own environment
-(benchmarks/.venv-llmcompressor: CPU torch 2.13.0 and the llm-compressor, compressed-tensors and
-transformers versions pinned below, which differ from lmpress's). Both tools quantize with
-symmetric group-64 GPTQ, static act-order, damping 0.01, on the calibration artifact's very
-token samples. The lmpress tools:
+Each peer is installed by this script into its own environment (benchmarks/.venv-PEER: CPU
+torch 2.13.0 and the versions pinned in PEERS, which may differ from lmpress's) and run by its
+worker script there (benchmarks/llmcompressor_gptq.py, benchmarks/hqq_quantize.py).
+llm-compressor runs symmetric GPTQ with static act-order and damping 0.01 on the calibration
+artifact's very token samples; HQQ runs as its `BaseQuantizeConfig(nbits, group_size)` sets it
+(asymmetric, no calibration). The lmpress tools are GPTQ, symmetric, on the same samples:
     lmpress         layer-sequential in fp32, as llm-compressor here, and true-sequential inside
                     each layer (lmpress's default since 2026-11-25; the runs before it were -whole)
     lmpress-whole   layer-sequential in fp32, each layer's statistics collected for all its
@@ -19,12 +21,16 @@ token samples. The lmpress tools:
                     makes them once for every later stage)
     TOOL+clip       the same with `--clip-search true` (lmpress's default; the tools without
                     it run GPTQ as llm-compressor does, min-max groups)
+    TOOL+asym       the same with asymmetric groups (`--symmetric false`, integer zero points)
+    TOOL+noshrink   the same with GPTQ's Hessian as published (`--hessian-shrinkage 0`; lmpress's
+                    default since 2026-12-01 is 0.25)
 Each run is its own process, timed, with its peak RSS (the child's own VmHWM: getrusage's
 ru_maxrss would count the parent's resident memory at fork, which Linux carries across exec),
 under the same thread count and CPU affinity: run one invocation per core, each as
 `OMP_NUM_THREADS=1 taskset -c N ... --out FILE_N`, then `--merge` their .json files. Every
-artifact is scored by `lmpress evaluate` against the same base reference. Results:
-benchmarks/results/llmcompressor_side_by_side.{json,md}.
+artifact is scored by `lmpress evaluate` against the same base reference, on its corpora.
+Results: benchmarks/results/peers_side_by_side.{json,md} (the llm-compressor runs before HQQ
+joined: llmcompressor_side_by_side.{json,md}).
 """
 
 from __future__ import annotations
@@ -35,38 +41,57 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / "benchmarks" / ".venv-llmcompressor"
-LLMCOMPRESSOR = ["llmcompressor==0.14.0.1", "compressed-tensors==0.19.0", "transformers==5.17.0"]  # as measured
-CORPORA = ("austen-heldout", "pydoc-heldout")
+
+
+@dataclass(frozen=True)
+class Peer:
+    packages: tuple[str, ...]  # pinned as measured
+    module: str  # imported to check the environment
+    worker: str  # benchmarks/WORKER MODEL_FOLDER [SAMPLES] BITS GROUP OUT, printing {wall_time_s, peak_rss_mb}
+    calibrated: bool  # the worker takes the calibration samples
+
+
+PEERS = {
+    "llm-compressor": Peer(("llmcompressor==0.14.0.1", "compressed-tensors==0.19.0", "transformers==5.17.0"), "llmcompressor",
+                           "llmcompressor_gptq.py", calibrated=True),
+    "hqq": Peer(("hqq==0.2.8.post1", "transformers==5.23.0"), "hqq", "hqq_quantize.py", calibrated=False),
+}
 LMPRESS_RUN = """
 import json, sys, time
 from pathlib import Path
 from pipelines.stages import QuantizeConfig, quantize
 start = time.perf_counter()
-tool, _, option = sys.argv[5].partition("+")
+tool, *options = sys.argv[5].split("+")
 config = QuantizeConfig(method="gptq", bits=int(sys.argv[2]), group_size=int(sys.argv[3]), sequential=tool != "lmpress-stored",
-                        forward_dtype="bfloat16" if tool == "lmpress-bf16" else "float32", clip_search=option == "clip",
-                        true_sequential=False if tool == "lmpress-whole" else None)
+                        forward_dtype="bfloat16" if tool == "lmpress-bf16" else "float32", clip_search="clip" in options,
+                        symmetric="asym" not in options, true_sequential=False if tool == "lmpress-whole" else None,
+                        **({"hessian_shrinkage": 0.0} if "noshrink" in options else {}))
 quantize("smollm2-135m", Path(sys.argv[1]), Path(sys.argv[4]), config)
 from pipelines.artifact import peak_rss_bytes
 print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rss_mb": round(peak_rss_bytes() / 2**20)}))
 """
 
 
-def ensure_environment() -> Path:
-    python = VENV / "bin" / "python"
+def environment_name(tool: str) -> str:
+    return tool.replace("-", "")
+
+
+def ensure_environment(tool: str) -> Path:
+    """The peer's own virtual environment, built once: torch first and pinned, so nothing pulls a CUDA build."""
+    peer, venv = PEERS[tool], ROOT / "benchmarks" / f".venv-{environment_name(tool)}"
+    python = venv / "bin" / "python"
     if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    probe = subprocess.run([str(python), "-c", "import llmcompressor"], capture_output=True)
-    if probe.returncode != 0:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    if subprocess.run([str(python), "-c", f"import {peer.module}"], capture_output=True).returncode != 0:
         pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, "torch==2.13.0"], check=True)  # first, so nothing pulls a CUDA build
-        constraints = VENV / "constraints.txt"
+        subprocess.run([*pip, "torch==2.13.0"], check=True)
+        constraints = venv / "constraints.txt"
         constraints.write_text("torch==2.13.0\n")
-        subprocess.run([*pip, "-c", str(constraints), *LLMCOMPRESSOR], check=True)
+        subprocess.run([*pip, "-c", str(constraints), *peer.packages], check=True)
     return python
 
 
@@ -84,8 +109,8 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=ROOT / "artifacts" / "reference")
     parser.add_argument("--bits", default="4,3")
     parser.add_argument("--group-size", type=int, default=64)
-    parser.add_argument("--tools", default="llm-compressor,lmpress,lmpress-stored")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "llmcompressor_side_by_side")
+    parser.add_argument("--tools", default="llm-compressor,hqq,lmpress-bf16+clip,lmpress-bf16+clip+noshrink")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers_side_by_side")
     parser.add_argument("--merge", type=Path, nargs="*", help="only write the table from these earlier --out .json files "
                         "(runs split over cores: one invocation per core, each pinned with taskset)")
     args = parser.parse_args()
@@ -97,28 +122,30 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("LMPRESS_QUIET", "1")
+    from benchmarks._report import evaluation_config, flatten
     from pipelines.models import resolve_model
-    from benchmarks._report import evaluation_config
     from pipelines.stages import evaluate
 
-    python = ensure_environment() if "llm-compressor" in args.tools.split(",") else None  # its own venv, built once
+    tools = args.tools.split(",")
+    pythons = {tool: ensure_environment(tool) for tool in tools if tool in PEERS}  # each built once
+    evaluation = evaluation_config(args.reference)
     model_folder = resolve_model("smollm2-135m")
     work = Path(tempfile.mkdtemp())
     rows = []
     for bits in (int(b) for b in args.bits.split(",")):
-        for tool in args.tools.split(","):
+        for tool in tools:
             out = work / f"{tool}-w{bits}g{args.group_size}"
-            if tool == "llm-compressor":
-                command = [str(python), str(ROOT / "benchmarks" / "llmcompressor_gptq.py"), str(model_folder),
-                           str(args.calibration / "samples.safetensors"), str(bits), str(args.group_size), str(out)]
+            if tool in PEERS:
+                samples = [str(args.calibration / "samples.safetensors")] if PEERS[tool].calibrated else []
+                command = [str(pythons[tool]), str(ROOT / "benchmarks" / PEERS[tool].worker), str(model_folder), *samples,
+                           str(bits), str(args.group_size), str(out)]
             else:
                 command = [sys.executable, "-c", LMPRESS_RUN, str(args.calibration), str(bits), str(args.group_size), str(out), tool]
             cost = run_json(command)
-            metrics = evaluate(str(out), args.reference, None, evaluation_config(args.reference), base="smollm2-135m")
+            metrics = evaluate(str(out), args.reference, None, evaluation, base="smollm2-135m")
             row = {"tool": tool, "bits": bits, "group_size": args.group_size, **cost, "threads": os.environ.get("OMP_NUM_THREADS", "default"),
                    "cpus": len(os.sched_getaffinity(0))}
-            for corpus in CORPORA:
-                row.update({f"{corpus}.{k}": metrics[corpus][k] for k in ("perplexity", "kl_to_base", "top1_agreement")})
+            row.update({key: value for key, value in flatten(metrics).items() if key.endswith((".perplexity", ".kl_to_base", ".top1_agreement"))})
             rows.append(row)
             print(json.dumps(row), flush=True)
 
@@ -126,12 +153,16 @@ def main() -> None:
 
 
 def write_table(rows: list[dict], out: Path) -> None:
+    from benchmarks._report import row_corpora
+
+    corpora = row_corpora(rows[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
-    lines = ["| tool | scheme | " + " | ".join(f"{c} ppl | {c} KL" for c in CORPORA) + " | wall s | peak RSS MB |", "|" + "---|" * 8]
+    header = "| tool | scheme | " + " | ".join(f"{c} ppl | {c} KL" for c in corpora) + " | wall s | peak RSS MB |"
+    lines = [header, "|" + "---|" * (2 * len(corpora) + 4)]
     for row in rows:
         cells = [row["tool"], f"W{row['bits']} g{row['group_size']}"]
-        for corpus in CORPORA:
+        for corpus in corpora:
             cells += [f"{row[f'{corpus}.perplexity']:.2f}", f"{row[f'{corpus}.kl_to_base']:.4f}"]
         cells += [str(row["wall_time_s"]), str(row["peak_rss_mb"])]
         lines.append("| " + " | ".join(cells) + " |")
