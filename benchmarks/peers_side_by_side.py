@@ -114,12 +114,12 @@ def main() -> None:
     parser.add_argument("--merge", type=Path, nargs="*", help="only write the table from these earlier --out .json files "
                         "(runs split over cores: one invocation per core, each pinned with taskset)")
     args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
     if args.merge:
         rows = [row for file in args.merge for row in json.loads(file.read_text())]
         write_table(sorted(rows, key=lambda row: -row["bits"]), args.out)  # stable: each bit-width in the files' order
         return
 
-    sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("LMPRESS_QUIET", "1")
     from benchmarks._report import evaluation_config, flatten

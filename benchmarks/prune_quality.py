@@ -9,11 +9,12 @@ cached reference (never the calibration text). The calibration objective, the la
 error E||(W - W')x||^2 summed over every pruned linear, comes from the stage's pruning.json,
 before and after refinement. Results: benchmarks/results/prune_quality.{json,md}.
 
-Run spec: method:pattern[:refine][:seq][:wN][:noclip][:noshrink] with pattern 0.5 or 2:4 (written 2-4 on
+Run spec: method:pattern[:refine][:seq][:wN][:noclip][:shrinkS] with pattern 0.5 or 2:4 (written 2-4 on
 the command line is fine too); without ':seq' the stored statistics of the unpruned model are
 used (no forward passes), with it each layer's statistics are re-collected on the pruned model.
 ':w4' (sparsegpt) quantizes the kept weights to 4 bits in the same pass (group size 64), and
-':noclip' fits those grids min-max instead of with the clip search.
+':noclip' fits those grids min-max instead of with the clip search; ':shrinkS' sets
+--hessian-shrinkage to S (shrink0: SparseGPT's Hessian as published).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main() -> None:
         bits = next((flag[1:] for flag in flags if flag.startswith("w")), None)  # ':w4' -> --bits 4
         command += ["--bits", bits] if bits else []
         command += ["--clip-search", "false"] if "noclip" in flags else []
-        command += ["--hessian-shrinkage", "0"] if "noshrink" in flags else []
+        command += next((["--hessian-shrinkage", flag[6:]] for flag in flags if flag.startswith("shrink")), [])
         report, run = run_stage(command, out, "pruning.json")
         row = {
             "run": spec, "sparsity": report["sparsity"], "objective": f"{report['objective']:.1f}",

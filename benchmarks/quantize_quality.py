@@ -39,11 +39,11 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=Path("artifacts/reference"))
     parser.add_argument(
         "--runs", default=DEFAULT_RUNS,
-        help="method[:bits[:group_size]][:stored][:noclip][:noact][:noshrink][:bf16][:whole], comma-separated (codebooks and nf4 / int8 take no "
+        help="method[:bits[:group_size]][:stored][:noclip][:noact][:shrinkS][:dampD][:bf16][:whole], comma-separated (codebooks and nf4 / int8 take no "
         "group size: squeezellm-gptq:3:stored); ':stored' uses the stored statistics "
         "(no forward passes), ':noclip' turns GPTQ's clip search off (min-max groups, as the results before it were measured), "
-        "':noact' turns GPTQ's act order off (groups fitted as the sweep reaches them), ':noshrink' runs GPTQ's error feedback on the "
-        "Hessian as published (--hessian-shrinkage 0), "
+        "':noact' turns GPTQ's act order off (groups fitted as the sweep reaches them), ':shrinkS' sets GPTQ's --hessian-shrinkage to S "
+        "(shrink0: the Hessian as published; the default otherwise), ':dampD' its --damp to D, "
         "':bf16' runs the sequential passes in bfloat16 (the pipeline's setting), ':whole' collects each layer's statistics for all "
         "its linears at once (--true-sequential false; the default until 2026-11-25, when true-sequential went to one pass; "
         "'trueseq' in the runs of that time's results)",
@@ -59,7 +59,8 @@ def main() -> None:
         bits, group_size = ([int(part) for part in rest if part.lstrip("-").isdigit()] + [None, None])[:2]  # unset: the method's
         config = QuantizeConfig(method=method, bits=bits, group_size=group_size,
                                 sequential="stored" not in rest, clip_search=False if "noclip" in rest else None, act_order=False if "noact" in rest else None,
-                                hessian_shrinkage=0.0 if "noshrink" in rest else HESSIAN_SHRINKAGE,
+                                hessian_shrinkage=next((float(part[6:]) for part in rest if part.startswith("shrink")), HESSIAN_SHRINKAGE),
+                                damp=next((float(part[4:]) for part in rest if part.startswith("damp")), 0.01),
                                 forward_dtype="bfloat16" if "bf16" in rest else "float32", true_sequential=False if "whole" in rest else None)
         start = time.perf_counter()
         artifact = quantize(args.model, args.calibration, work / spec.replace(":", "_"), config)

@@ -51,8 +51,9 @@ def squeezellm_quantize(
 ) -> CodebookLinear:
     """Weighted k-means (scikit-learn) of each row of `weight` [out, in] into 2^bits values,
     with per-column weights `sensitivity` [in]; then each weight's index is its nearest entry,
-    or, given the `hessian` E[x x^T], GPTQ's choice (`damp`, `shrinkage`: its regularization). Deterministic: the centroids start at the
-    row's sensitivity-weighted quantiles, so no random restarts are needed."""
+    or, given the `hessian` E[x x^T], GPTQ's choice (`damp` and `shrinkage` regularize its
+    Hessian). Deterministic: the centroids start at the row's sensitivity-weighted quantiles, so
+    no random restarts are needed."""
     from sklearn.cluster import KMeans
     from sklearn.exceptions import ConvergenceWarning
     from threadpoolctl import threadpool_limits

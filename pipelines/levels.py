@@ -196,7 +196,8 @@ class LevelDatabase:
         require_input(self.folder, True, "level database", "build it with `lmpress levels`")
         self.manifest = read_json(self.folder / "manifest.json", "rebuild it with `lmpress levels`")
         require(isinstance(self.manifest, dict), f"{self.folder / 'manifest.json'} is not a JSON object; rebuild it with `lmpress levels`")
-        params = {"clip_search": False, **self.manifest.get("params", {})}  # databases from before clip search: min-max
+        # databases from before clip search: min-max; from before the Hessian shrinkage: none
+        params = {"clip_search": False, "hessian_shrinkage": 0.0, **self.manifest.get("params", {})}
         version = self.manifest.get("version")
         readable = version == LEVELS_VERSION or (version == 2 and not (params.get("sparse24") and params["clip_search"]))  # 2's 2:4 levels: min-max
         require(
@@ -491,7 +492,8 @@ def assembly_command(units: list[Unit], genome: list[int], levels: LevelsConfig)
     """The stage commands that build the searched model from the plan (search.json's hint)."""
     dropped = [str(u.block) for u, level in zip(units, genome) if u.is_block and u.levels[level] == "drop"]
     first = f"lmpress drop-layers --layers {','.join(dropped)} --out DROPPED, then on DROPPED: " if dropped else ""
-    gptq = f"--act-order {str(levels.act_order).lower()} --clip-search {str(bool(levels.clip_search)).lower()}"  # as the database's levels
+    gptq = (f"--act-order {str(levels.act_order).lower()} --clip-search {str(bool(levels.clip_search)).lower()} "  # as the database's levels
+            f"--hessian-shrinkage {levels.hessian_shrinkage:g}")
     if not _is_prune_plan(units):
         method = f"--method {levels.method}" + (f" {gptq}" if levels.method == "gptq" else "")  # rtn takes neither option
         return first + f"lmpress quantize {method} --sequential false --overrides plan.yaml"

@@ -174,13 +174,15 @@ def evaluate(model: str, reference: Path, out: Path | None, config: EvaluateConf
         "use those or pass another --reference path",
     )
 
+    missing = [corpus for corpus in windows if corpus not in manifest["corpora"]]
+    require(
+        not missing,
+        f"reference {reference} holds no {', '.join(missing)}; pass --corpora {','.join(manifest['corpora'])} (what it holds) or another --reference path",
+    )
+
     metrics = {"model": model, "lineage_hash": chain_hash(chain), **size_metrics(loaded.model, loaded.folder)}
     head = LMHead.load(reference / "lm_head.safetensors", rebuild)
     for corpus, (tokens, _) in windows.items():
-        require(
-            corpus in manifest["corpora"],
-            f"reference {reference} has no '{corpus}'; pass --corpora {','.join(manifest['corpora'])} (what it holds) or another --reference path",
-        )
         entry = manifest["corpora"][corpus]
         if building and is_base:  # the reference *is* this model's output, scored once just now
             metrics[corpus] = {"perplexity": entry["base_perplexity"], "kl_to_base": 0.0, "top1_agreement": 1.0, "tokens": entry["tokens"]}
@@ -418,8 +420,8 @@ def check_hessian_regularization(damp: float, shrinkage: float) -> None:
     """The two settings of the Hessian that GPTQ's and SparseGPT's error feedback inverts."""
     require(0 < damp < 1, f"damp must be in (0, 1) (got {damp}); 0.01 is the usual value")
     require(
-        0 <= shrinkage < 1,
-        f"hessian shrinkage must be in [0, 1) (got {shrinkage}); {HESSIAN_SHRINKAGE} is the default, 0 the published GPTQ and SparseGPT",
+        0 <= shrinkage <= 1,
+        f"hessian shrinkage must be in [0, 1] (got {shrinkage}); {HESSIAN_SHRINKAGE} is the default, 0 the published GPTQ and SparseGPT",
     )
 
 

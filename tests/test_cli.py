@@ -356,10 +356,10 @@ def test_evaluate_base_then_rescore_against_the_cached_reference(tmp_path):
     second = run_cli(*args, "--out", tmp_path / "m2.json")
     assert second.returncode == 0, second.stderr
     m1, m2 = (json.loads((tmp_path / f"m{i}.json").read_text()) for i in (1, 2))
-    for corpus in ("austen-heldout", "pydoc-heldout"):
+    for corpus in ("austen-heldout", "pydoc-heldout", "reuters-heldout"):  # the default corpora: both calibration domains and newswire
         assert m2[corpus]["kl_to_base"] < 1e-5 and m2[corpus]["top1_agreement"] == 1.0
         assert abs(m1[corpus]["perplexity"] - m2[corpus]["perplexity"]) < 1e-3
-    assert 10 < m1["austen-heldout"]["perplexity"] < 40
+    assert 10 < m1["austen-heldout"]["perplexity"] < 40 and 10 < m1["reuters-heldout"]["perplexity"] < 80
     assert m1["parameters"] == 134_515_008 and m1["bits_per_weight"] == 32.0
     mismatch = refuse_in_process(*args[:-2], "--seq-len", "64")
     assert_user_error(mismatch, "was built with windows=2, seq_len=128")
@@ -381,6 +381,9 @@ def test_evaluate_a_model_made_elsewhere_against_the_base_reference(tmp_path):
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp_path / "other")
     args = ["--reference", tmp_path / "ref", "--windows", "1", "--seq-len", "64", "--corpora", "austen-heldout"]
     assert run_cli("evaluate", REAL_MODEL, *args).returncode == 0
+    assert_user_error(refuse_in_process("evaluate", REAL_MODEL, *args[:-2]),  # the default corpora, against a reference of one
+                      f"reference {tmp_path / 'ref'} holds no pydoc-heldout, reuters-heldout; pass --corpora austen-heldout (what it holds) "
+                      "or another --reference path")
     refused = refuse_in_process("evaluate", tmp_path / "other", *args)
     assert_user_error(refused, "was built from another base model")
     scored = run_cli("evaluate", tmp_path / "other", *args, "--base", REAL_MODEL, "--out", tmp_path / "m.json")

@@ -219,8 +219,8 @@ def test_quantize_bad_input(tmp_path, tiny_folder):
     assert "group size 64 does not divide the input width 96 of model.layers.0.mlp.down_proj" in error("--method", "rtn", "--group-size", "64")
     assert "unknown method 'awq2'" in error("--method", "awq2")
     assert "forward dtype must be auto, float32 or bfloat16 (got 'float16')" in error("--forward-dtype", "float16")
-    assert "hessian shrinkage must be in [0, 1) (got 1.0); 0.25 is the default, 0 the published GPTQ and SparseGPT" \
-        in error("--hessian-shrinkage", "1")
+    assert "hessian shrinkage must be in [0, 1] (got 1.5); 0.25 is the default, 0 the published GPTQ and SparseGPT" \
+        in error("--hessian-shrinkage", "1.5")
     assert "--clip-search clips the grids GPTQ and SparseGPT fit: use it with --method gptq" in error("--method", "rtn", "--clip-search", "true")
     assert "needs --calibration" in error("--method", "gptq")
     assert "--true-sequential takes --sequential true and a method that quantizes each linear" in error("--method", "awq", "--true-sequential", "true")

@@ -203,7 +203,7 @@ def test_search_plan_feeds_quantize_and_is_reproducible(tmp_path, tiny_setup):
     assert not leftovers(first)
 
     # quantize with the plan, as the report's hint says, gives exactly the weights the search scored
-    assert "lmpress quantize --method gptq --act-order true --clip-search true --sequential false" in report["assemble"]
+    assert "lmpress quantize --method gptq --act-order true --clip-search true --hessian-shrinkage 0.25 --sequential false" in report["assemble"]
     quantized = tmp_path / "q"
     result = run_cli("quantize", "--model", model, "--calibration", calibration, "--method", "gptq", "--sequential", "false",
                      "--group-size", "32", "--overrides", first / "plan.yaml", "--out", quantized)
