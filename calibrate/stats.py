@@ -199,6 +199,16 @@ RECALIBRATE = "re-run `lmpress calibrate`"
 MANIFEST_KEYS = ("seed", "seq_len", "corpus", "data_sha256", "sample_ids", "documents", "tokens", "groups")  # what readers use
 
 
+def spread_indices(count: int, stored: int, skip: list[int] | tuple = ()) -> list[int]:
+    """`count` indices evenly spaced over `stored` calibration windows, leaving out `skip` (the
+    windows are grouped by corpus part, so the first few would all come from one part); all
+    that are left when count is larger."""
+    free = [i for i in range(stored) if i not in set(skip)]
+    if count >= len(free):
+        return free
+    return [free[i] for i in torch.linspace(0, len(free) - 1, count).round().long().tolist()]
+
+
 class CalibrationData:
     """Read side of the calibration artifact; loads one layer's statistics at a time."""
 
@@ -218,12 +228,9 @@ class CalibrationData:
         return read_safetensors(self.folder / "samples.safetensors", RECALIBRATE)["input_ids"]
 
     def spread_samples(self, count: int) -> torch.Tensor:
-        """`count` windows evenly spaced over the stored ones (which are grouped by corpus part,
-        so the first few would all come from one part); all of them when count is larger."""
+        """`count` windows evenly spaced over the stored ones (spread_indices)."""
         ids = self.input_ids
-        if count >= ids.shape[0]:
-            return ids
-        return ids[torch.linspace(0, ids.shape[0] - 1, count).round().long()]
+        return ids[spread_indices(count, ids.shape[0])]
 
     def check_model(self, base_weights_sha256: str) -> None:
         require(self.lineage is not None, f"{self.folder} has no lineage.json (it records the model calibrated); re-run `lmpress calibrate`")

@@ -168,6 +168,7 @@ class SearchState:
     rng_state: tuple
     history: list[dict] = field(default_factory=list)
     evaluations: int = 0
+    start: list[int] = field(default_factory=list)  # the first parent (what the search is checked against)
 
 
 def parse_selection(text: str) -> list[tuple[int, int]]:
@@ -250,4 +251,5 @@ def start_state(units: list[Unit], budget: float, fitness: Callable[[list[int], 
     else:
         parent = uniform_genome(units, budget)
     score = fitness(parent, selection[-1][0])
-    return SearchState(0, parent, score, random.Random(seed).getstate(), [{"generation": 0, "fitness": score, "evaluations": evaluations}], evaluations)
+    return SearchState(0, parent, score, random.Random(seed).getstate(), [{"generation": 0, "fitness": score, "evaluations": evaluations}], evaluations,
+                       list(parent))

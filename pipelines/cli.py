@@ -315,13 +315,15 @@ def search(
     batch_size: int = typer.Option(4, help="Windows per forward pass."),
     seed: int = typer.Option(0, help="Seed of the mutations: same seed, same plan."),
     start: str = typer.Option("uniform", help="The first parent: uniform (every linear at one level) or sensitivity (the greedy allocation on each unit's own KL, one evaluation per unit and level)."),
+    validation_windows: int = typer.Option(8, "--validation-windows", help="Whole calibration windows, none of the fitness's, on which the searched plan must beat its start, or the start is written; 0: no check."),
 ):
     """Evolutionary search (EvoPress) for per-layer levels within a budget; writes plan.yaml for quantize/prune --overrides."""
     from pipelines.levels import SearchConfig, search as run
 
     config = SearchConfig(budget_bits=budget_bits, target_sparsity=target_sparsity, budget_latency=budget_latency, latency=str(latency or ""),
                           drop=bool(drop), sparse24=bool(sparse24), generations=generations,
-                          offspring=offspring, selection=selection, seq_len=seq_len, batch_size=batch_size, seed=seed, start=start)
+                          offspring=offspring, selection=selection, seq_len=seq_len, batch_size=batch_size, seed=seed, start=start,
+                          validation_windows=validation_windows)
     path = run(model, levels, calibration, out, config)
     report = json.loads((path / "search.json").read_text())
     fitness = report["fitness"]
@@ -329,6 +331,14 @@ def search(
         f"plan written to {path / 'plan.yaml'}: calibration KL {fitness['start']:.4f} ({report['start']} start) -> {fitness['searched']:.4f} "
         f"after {report['evaluations']} evaluations in {report['search_s']} s", markup=False, highlight=False,
     )
+    if "validation" in report:
+        check = report["validation"]
+        line = (f"on {check['windows']} held-aside calibration windows of {check['seq_len']} tokens: KL {check['start']:.4f} (start) -> "
+                f"{check['searched']:.4f} (searched)")
+        if check["kept"] == "searched":
+            out_console.print(line, markup=False, highlight=False)
+        else:  # the search fitted its few fitness tokens, not the text
+            sys.stderr.write(f"warning: {line}; wrote the start's plan (more fitness tokens: --selection, --seq-len)\n")
     if "latency" in report:
         step = report["latency"]
         out_console.print(f"predicted decode step on {step['device']}: {step['searched_step_ms']:.2f} ms (base {step['base_step_ms']:.2f} ms)", markup=False, highlight=False)

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from calibrate.stats import spread_indices
 from compressors.search import STARTS, SearchState, Unit, check_budget, evolve, genome_cost, parse_selection, start_state
 from compressors.structured import LayerSubset
 from pipelines.artifact import ResumeFolder, atomic_directory, file_sha256, inputs_key, read_json, read_safetensors, require_keys, write_json, write_lineage
@@ -325,6 +326,9 @@ class SearchConfig:
     batch_size: int = 4
     seed: int = 0
     start: str = "uniform"  # uniform | sensitivity: the first parent
+    # whole calibration windows, none of the fitness's, on which the searched plan must beat its
+    # start, or the start is written: a few hundred fitness tokens are easily overfitted
+    validation_windows: int = 8
 
     @property
     def budget(self) -> str:
@@ -352,6 +356,7 @@ class SearchConfig:
         require_positive(generations=self.generations, offspring=self.offspring, seq_len=self.seq_len, batch_size=self.batch_size)
         parse_selection(self.selection)
         require(self.start in STARTS, f"--start must be one of {', '.join(STARTS)} (got '{self.start}')")
+        require(self.validation_windows >= 0, f"--validation-windows must be 0 (no check) or more (got {self.validation_windows})")
 
 
 def _budgeted_units(config: SearchConfig, database: LevelDatabase, chain: list[dict]) -> tuple[list[Unit], float, LatencyTable | None]:
@@ -393,11 +398,16 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     units, budget, latency = _budgeted_units(config, database, chain)
     linear_weights = sum(u.size for u in units if not u.is_block)
     selection = parse_selection(config.selection)
-    windows = calib.spread_samples(selection[-1][0])[:, : config.seq_len]
-    require(windows.shape[0] >= selection[-1][0], f"the calibration artifact holds {windows.shape[0]} windows; the selection needs {selection[-1][0]}")
+    stored = calib.input_ids
+    fitness_windows = spread_indices(selection[-1][0], stored.shape[0])
+    require(len(fitness_windows) >= selection[-1][0], f"the calibration artifact holds {stored.shape[0]} windows; the selection needs {selection[-1][0]}")
+    held_aside = spread_indices(config.validation_windows, stored.shape[0], skip=fitness_windows)
+    require(len(held_aside) or not config.validation_windows,
+            f"the calibration artifact's {stored.shape[0]} windows all feed the fitness; pass --validation-windows 0 or calibrate more samples")
     loaded.model.eval()
     candidates = Candidates(loaded, database, units)
-    fitness = KLFitness(candidates, windows, config.batch_size)
+    fitness = KLFitness(candidates, stored[fitness_windows][:, : config.seq_len], config.batch_size)
+    validation = KLFitness(candidates, stored[held_aside], config.batch_size) if held_aside else None
     resume = ResumeFolder(out, inputs_key(database.manifest, calib.manifest["data_sha256"], asdict(config), chain[0]["weights_sha256"],
                                           latency.table if latency else None))
     state_file = resume.file("state.json")
@@ -416,25 +426,32 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     with progress_bar(f"search ({config.budget})", config.generations) as advance:
         advance(state.generation)
         state = evolve(units, budget, fitness, config.generations, config.offspring, selection, state, on_generation=checkpoint)
+    plan, check = state.parent, {}
+    if validation is not None:
+        check = {"windows": len(held_aside), "seq_len": stored.shape[1],
+                 "start": validation(state.start, len(held_aside)), "searched": validation(state.parent, len(held_aside))}
+        plan = state.parent if check["searched"] <= check["start"] else state.start
+        check["kept"] = "searched" if plan is state.parent else "start"
     candidates.restore()
     report = {
         "kind": config.kind(database), "budget": config.budget, "drop": config.drop, "start": config.start,
-        **({"budget_per_weight": budget / linear_weights, "cost_per_weight": genome_cost(units, state.parent) / linear_weights}
+        **({"budget_per_weight": budget / linear_weights, "cost_per_weight": genome_cost(units, plan) / linear_weights}
            if config.budget != "latency" else {}),  # seconds per weight mean nothing; see "latency"
         "units": len(units),
         "levels": sorted({level for u in units for level in u.levels}), "generations": state.generation,
         "evaluations": state.evaluations, "search_s": round(time.perf_counter() - start, 1),
         "fitness": {"start": start_fitness, "searched": state.parent_fitness, "windows": selection[-1][0], "seq_len": config.seq_len},
-        "dropped_blocks": [u.block for u, level in zip(units, state.parent) if u.is_block and u.levels[level] == "drop"],
-        "assemble": assembly_command(units, state.parent, database.config),
+        **({"validation": check} if check else {}),  # KL on the held-aside windows; "kept": the plan written
+        "dropped_blocks": [u.block for u, level in zip(units, plan) if u.is_block and u.levels[level] == "drop"],
+        "assemble": assembly_command(units, plan, database.config),
     }
     if latency is not None:  # the decode step the table predicts
         base_step = latency.base_step(database)
-        report["latency"] = {"device": latency.device, "base_step_ms": 1e3 * base_step, "searched_step_ms": 1e3 * latency.step(units, state.parent, database)}
+        report["latency"] = {"device": latency.device, "base_step_ms": 1e3 * base_step, "searched_step_ms": 1e3 * latency.step(units, plan, database)}
         if config.budget == "latency":
             report["latency"]["budget_step_ms"] = 1e3 * config.budget_latency * base_step
     with atomic_directory(out) as tmp:
-        (tmp / PLAN_FILE).write_text(plan_yaml(units, state.parent, database.manifest["layer_prefix"]))
+        (tmp / PLAN_FILE).write_text(plan_yaml(units, plan, database.manifest["layer_prefix"]))
         write_json(tmp / SEARCH_REPORT, report)
         lines = ["generation,fitness,evaluations"] + [f"{h['generation']},{h['fitness']:.6f},{h['evaluations']}" for h in state.history]
         (tmp / HISTORY_FILE).write_text("\n".join(lines) + "\n")

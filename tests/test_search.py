@@ -198,6 +198,8 @@ def test_search_plan_feeds_quantize_and_is_reproducible(tmp_path, tiny_setup):
     report = json.loads((first / "search.json").read_text())
     assert report["cost_per_weight"] <= 3.5 and report["fitness"]["searched"] <= report["fitness"]["start"]
     assert report["evaluations"] > 4 and len((first / "history.csv").read_text().splitlines()) == 1 + 5  # generations 0 (uniform) to 4
+    check = report["validation"]  # the searched plan against its start on whole held-aside windows
+    assert check["windows"] >= 1 and check["kept"] == ("searched" if check["searched"] <= check["start"] else "start")
     plan = yaml.safe_load((first / "plan.yaml").read_text())
     assert {setting["bits"] for setting in plan.values()} <= {2, 4, 8} and len(plan) == 4 * 7
     assert not leftovers(first)
@@ -284,6 +286,43 @@ def test_search_sparsity_with_drop_and_resume(tmp_path, tiny_setup, monkeypatch,
     assert (out / "plan.yaml").read_bytes() == (whole / "plan.yaml").read_bytes()
 
 
+def test_a_plan_worse_than_its_start_on_held_aside_windows_is_not_written(tmp_path, tiny_setup, monkeypatch):
+    """A child replaces its parent when it wins on the fitness windows, a few hundred tokens that
+    a search can fit (on SmolLM2 the pipeline's plan from the uniform start beat it there and lost
+    on held-out text). Here evolution is made to end on the cheapest plan, every linear at 2 bits:
+    within the budget, and worse than the uniform start on the held-aside windows, so the start
+    is written, with a warning; --validation-windows 0 writes what the search found."""
+    import json
+
+    import pipelines.levels as levels_module
+    from compressors.search import cheapest_genome
+
+    original = levels_module.evolve
+
+    def ends_on_the_cheapest(units, *args, **kwargs):
+        state = original(units, *args, **kwargs)
+        state.parent = cheapest_genome(units)
+        return state
+
+    monkeypatch.setattr(levels_module, "evolve", ends_on_the_cheapest)
+    units = levels_module.LevelDatabase(tiny_setup[2]).units("bits", drop=False)
+    uniform = uniform_genome(units, 3.5 * sum(u.size for u in units if not u.is_block))
+    guarded, unguarded = tmp_path / "guarded", tmp_path / "unguarded"
+    result = refuse_in_process(*search_args(tiny_setup, guarded, "--budget-bits", "3.5"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((guarded / "search.json").read_text())
+    check = report["validation"]
+    assert check["kept"] == "start" and check["searched"] > check["start"] and check["seq_len"] > 16  # whole windows, not the fitness's 16 tokens
+    assert f"warning: on {check['windows']} held-aside calibration windows" in result.stderr and "wrote the start's plan" in result.stderr
+    assert levels_module.read_plan(units, guarded, "model.layers") == uniform
+    assert report["cost_per_weight"] == pytest.approx(genome_cost(units, uniform) / sum(u.size for u in units if not u.is_block))
+
+    result = refuse_in_process(*search_args(tiny_setup, unguarded, "--budget-bits", "3.5", "--validation-windows", "0"))
+    assert result.returncode == 0 and "held-aside" not in result.stdout + result.stderr
+    assert "validation" not in json.loads((unguarded / "search.json").read_text())
+    assert levels_module.read_plan(units, unguarded, "model.layers") == cheapest_genome(units)
+
+
 def test_levels_settings_that_do_not_apply_are_refused():
     """--act-order and --clip-search are GPTQ's: on by default for it, refused for RTN, which
     would silently ignore them."""
@@ -329,6 +368,10 @@ def test_search_bad_input_fails_cleanly(tmp_path, tiny_setup, real_model_folder)
     assert result.returncode == 2 and "leaves nothing to search: every unit at its least compressed level costs 8.5 per weight" in result.stderr
     result = refuse_in_process(*search_args(tiny_setup, out, "--budget-bits", "3", "--target-sparsity", "0.5"))
     assert result.returncode != 0 and "exactly one budget" in result.stderr
+    result = refuse_in_process(*search_args(tiny_setup, out, "--budget-bits", "3", "--validation-windows", "-1"))
+    assert result.returncode == 2 and "--validation-windows must be 0 (no check) or more (got -1)" in result.stderr
+    result = refuse_in_process(*search_args(tiny_setup, out, "--budget-bits", "3", "--selection", "1:4,1000:1"))
+    assert result.returncode == 2 and "the selection needs 1000" in result.stderr
     config = tiny_config("llama")
     config.num_hidden_layers = 2  # another model: its own weights
     other = save_tiny(tmp_path / "other", config, real_model_folder, tmp_path / "other-calib")
