@@ -45,6 +45,11 @@ def row_corpora(row: dict) -> list[str]:
     return [key.removesuffix(".kl_to_base") for key in row if key.endswith(".kl_to_base")]
 
 
+def spec_value(flags: list[str], prefix: str, default):
+    """The number a run spec's flag carries (':shrink0.1' -> 0.1 for prefix 'shrink'), or `default`."""
+    return next((float(flag[len(prefix):]) for flag in flags if flag.startswith(prefix)), default)
+
+
 def scratch_directory() -> Path:
     """A temporary folder for a benchmark's models, removed when the benchmark exits (each
     model is hundreds of MB; a long run would otherwise fill the disk)."""

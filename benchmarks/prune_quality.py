@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, evaluation_config, scratch_directory  # noqa: E402
+from benchmarks._report import flatten, quality_arguments, run_stage, write_quality_table, evaluation_config, scratch_directory, spec_value  # noqa: E402
 from pipelines.stages import evaluate  # noqa: E402
 
 DEFAULT_RUNS = ",".join(
@@ -55,7 +55,8 @@ def main() -> None:
         bits = next((flag[1:] for flag in flags if flag.startswith("w")), None)  # ':w4' -> --bits 4
         command += ["--bits", bits] if bits else []
         command += ["--clip-search", "false"] if "noclip" in flags else []
-        command += next((["--hessian-shrinkage", flag[6:]] for flag in flags if flag.startswith("shrink")), [])
+        shrinkage = spec_value(flags, "shrink", None)
+        command += ["--hessian-shrinkage", f"{shrinkage:g}"] if shrinkage is not None else []
         report, run = run_stage(command, out, "pruning.json")
         row = {
             "run": spec, "sparsity": report["sparsity"], "objective": f"{report['objective']:.1f}",

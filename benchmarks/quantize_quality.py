@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LMPRESS_QUIET", "1")
 
-from benchmarks._report import flatten as _flatten, write_quality_table, evaluation_config, scratch_directory  # noqa: E402
+from benchmarks._report import flatten as _flatten, write_quality_table, evaluation_config, scratch_directory, spec_value  # noqa: E402
 from pipelines.stages import HESSIAN_SHRINKAGE, QuantizeConfig, evaluate, quantize  # noqa: E402
 
 DEFAULT_RUNS = "rtn:4:64,gptq:4:64,awq:4:64,nf4,rtn:3:64,gptq:3:64,awq:3:64"
@@ -59,8 +59,7 @@ def main() -> None:
         bits, group_size = ([int(part) for part in rest if part.lstrip("-").isdigit()] + [None, None])[:2]  # unset: the method's
         config = QuantizeConfig(method=method, bits=bits, group_size=group_size,
                                 sequential="stored" not in rest, clip_search=False if "noclip" in rest else None, act_order=False if "noact" in rest else None,
-                                hessian_shrinkage=next((float(part[6:]) for part in rest if part.startswith("shrink")), HESSIAN_SHRINKAGE),
-                                damp=next((float(part[4:]) for part in rest if part.startswith("damp")), 0.01),
+                                hessian_shrinkage=spec_value(rest, "shrink", HESSIAN_SHRINKAGE), damp=spec_value(rest, "damp", QuantizeConfig.damp),
                                 forward_dtype="bfloat16" if "bf16" in rest else "float32", true_sequential=False if "whole" in rest else None)
         start = time.perf_counter()
         artifact = quantize(args.model, args.calibration, work / spec.replace(":", "_"), config)
