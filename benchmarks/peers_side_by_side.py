@@ -11,7 +11,9 @@ torch 2.13.0 and the versions pinned in PEERS, which may differ from lmpress's) 
 worker script there (benchmarks/llmcompressor_gptq.py, benchmarks/hqq_quantize.py).
 llm-compressor runs symmetric GPTQ with static act-order and damping 0.01 on the calibration
 artifact's very token samples; HQQ runs as its `BaseQuantizeConfig(nbits, group_size)` sets it
-(asymmetric, no calibration). The lmpress tools are GPTQ, symmetric, on the same samples:
+(asymmetric, no calibration); `llm-compressor+asym` is its GPTQ with asymmetric groups (its
+W4A16_ASYM scheme: integer zero points, packed as lmpress packs them). The lmpress tools are
+GPTQ, symmetric, on the same samples:
     lmpress         layer-sequential in fp32, as llm-compressor here, and true-sequential inside
                     each layer (lmpress's default since 2026-11-25; the runs before it were -whole)
     lmpress-whole   layer-sequential in fp32, each layer's statistics collected for all its
@@ -51,7 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 class Peer:
     packages: tuple[str, ...]  # pinned as measured
     module: str  # imported to check the environment
-    worker: str  # benchmarks/WORKER MODEL_FOLDER [SAMPLES] BITS GROUP OUT, printing {wall_time_s, peak_rss_mb}
+    worker: str  # benchmarks/WORKER MODEL_FOLDER [SAMPLES] BITS GROUP OUT [OPTIONS], printing {wall_time_s, peak_rss_mb}
     calibrated: bool  # the worker takes the calibration samples
 
 
@@ -78,6 +80,12 @@ print(json.dumps({"wall_time_s": round(time.perf_counter() - start, 1), "peak_rs
 
 def environment_name(tool: str) -> str:
     return tool.replace("-", "")
+
+
+def peer_of(tool: str) -> str | None:
+    """The peer a tool runs (`llm-compressor+asym`: llm-compressor, with options); None for lmpress's."""
+    name = tool.split("+")[0]
+    return name if name in PEERS else None
 
 
 def ensure_environment(tool: str) -> Path:
@@ -127,7 +135,7 @@ def main() -> None:
     from pipelines.stages import evaluate
 
     tools = args.tools.split(",")
-    pythons = {tool: ensure_environment(tool) for tool in tools if tool in PEERS}  # each built once
+    pythons = {peer: ensure_environment(peer) for peer in {peer_of(tool) for tool in tools} - {None}}  # each built once
     evaluation = evaluation_config(args.reference)
     model_folder = resolve_model("smollm2-135m")
     work = Path(tempfile.mkdtemp())
@@ -135,10 +143,10 @@ def main() -> None:
     for bits in (int(b) for b in args.bits.split(",")):
         for tool in tools:
             out = work / f"{tool}-w{bits}g{args.group_size}"
-            if tool in PEERS:
-                samples = [str(args.calibration / "samples.safetensors")] if PEERS[tool].calibrated else []
-                command = [str(pythons[tool]), str(ROOT / "benchmarks" / PEERS[tool].worker), str(model_folder), *samples,
-                           str(bits), str(args.group_size), str(out)]
+            if (peer := peer_of(tool)) is not None:
+                samples = [str(args.calibration / "samples.safetensors")] if PEERS[peer].calibrated else []
+                command = [str(pythons[peer]), str(ROOT / "benchmarks" / PEERS[peer].worker), str(model_folder), *samples,
+                           str(bits), str(args.group_size), str(out), *tool.split("+")[1:]]
             else:
                 command = [sys.executable, "-c", LMPRESS_RUN, str(args.calibration), str(bits), str(args.group_size), str(out), tool]
             cost = run_json(command)

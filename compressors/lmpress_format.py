@@ -1,7 +1,7 @@
 """lmpress's own packed format, for what compressed-tensors cannot carry: codebook weights
-(SqueezeLLM), asymmetric integer grids (whose packed zero points transformers 5.23 +
-compressed-tensors 0.20 do not load back) and 2:4 sparse weights, plain or quantized (the
-compressed-tensors 0.20 release dropped its sparse compressors), mixed per linear.
+(SqueezeLLM) and 2:4 sparse weights, plain or quantized on a symmetric or asymmetric grid (the
+compressed-tensors 0.20 release dropped its sparse compressors), mixed per linear. Dense
+integer grids, asymmetric ones too, are compressed-tensors (compressors/packed_int.py).
 
 A HF model folder (config.json, tokenizer, model.safetensors). Tensors, per packed linear
 `<name>` of dense shape [out, in]:

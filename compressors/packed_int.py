@@ -6,12 +6,17 @@ quantized linear `<name>`:
                           at bits [i*b, i*b + b) of the row, stored as q + 2^(b-1) (unsigned)
     <name>.weight_scale   fp16  [out, groups]
     <name>.weight_shape   int64 [2]
+  asymmetric grids (llm-compressor's W4A16_ASYM layout, which vLLM serves at 4 and 8 bits):
+    <name>.weight_zero_point  int32 [ceil(out * bits / 32), groups]: the signed zero points
+                          (w = (q - zero) * scale) packed as the codes are, but down the columns
 and `quantization_config` in config.json (quant_method "compressed-tensors", one config group
 per distinct grid, targeting modules by name, so per-layer mixed settings fit the format).
 
-Only symmetric grids are written here: with transformers 5.23 and compressed-tensors 0.20, a
-packed asymmetric zero point does not load back (its packed shape is rejected as a size
-mismatch), so asymmetric grids go to lmpress's own format (compressors/lmpress_format.py).
+Stock transformers (5.23, compressed-tensors 0.20) opens asymmetric grids only dequantized,
+`from_pretrained(..., quantization_config=CompressedTensorsConfig(dequantize=True))`: its
+compressed load builds the zero points at their unpacked shape and rejects the packed ones as a
+size mismatch (compressed-tensors' meta-device compress skips the zero-point packing;
+llm-compressor issue 1618), for llm-compressor's own W4A16_ASYM checkpoints too.
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ def config_group_of(name: str, quantization_config: dict) -> dict | None:
     return groups[match_targets(name, linear, groups)[0]]
 
 
+def has_zero_points(quantization_config: dict) -> bool:
+    """Whether a compressed-tensors config (as config.json holds it) has a group whose weight
+    grid is asymmetric, so its linears store packed zero points."""
+    groups = (quantization_config.get("config_groups") or {}).values() if quantization_config.get("quant_method") == "compressed-tensors" else ()
+    return any(not (group.get("weights") or {}).get("symmetric", True) for group in groups)
+
+
 def require_groups(key: str, scale: torch.Tensor, columns: int, group_size: int | None) -> None:
     """The scales `key` hold one group a `group_size` of the `columns` inputs (None: one a row),
     as the config says; else the group size the kernels work out would decode other weights."""
@@ -78,6 +90,23 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return pack_to_int32(codes.to(torch.int8), bits)
 
 
+def pack_zero_points(zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed zero points [out, groups] -> int32 [ceil(out * bits / 32), groups], packed down the
+    columns as compressed-tensors (and so vLLM) stores them."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    return pack_to_int32(zero.to(torch.int8), bits, packed_dim=0).contiguous()
+
+
+def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """`pack_zero_points` undone: int8 [rows, groups], row-major as the kernels index it (the
+    unpacker returns a transposed view). Load time only, so compressed-tensors' own unpacker
+    serves (the kernels read the zero points unpacked)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    return unpack_from_int32(packed, bits, torch.Size((rows, packed.shape[1])), packed_dim=0).contiguous()
+
+
 def save_pack_quantized(model: nn.Module, packed: dict[str, "PackedWeight"], grids: dict[str, GridSpec], folder: Path, act_order: bool = False) -> None:
     """Write `model` with the given linears (full module names -> their PackedWeight, on the
     grid `grids[name]`, GPTQ's in activation order where `act_order`) in compressed-tensors'
@@ -88,10 +117,6 @@ def save_pack_quantized(model: nn.Module, packed: dict[str, "PackedWeight"], gri
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, QuantizationStatus, apply_quantization_config
 
     require(bool(packed), "nothing to quantize: every linear was skipped")
-    require(
-        all(grids[name].symmetric for name in packed),
-        "asymmetric grids cannot be written as compressed-tensors that transformers reloads; use --symmetric true",
-    )
     by_spec: dict[GridSpec, list[str]] = {}
     for name in packed:
         by_spec.setdefault(grids[name], []).append(name)
@@ -107,6 +132,8 @@ def save_pack_quantized(model: nn.Module, packed: dict[str, "PackedWeight"], gri
         state[f"{name}.weight_packed"] = weight.unit_order().packed
         state[f"{name}.weight_scale"] = weight.scale
         state[f"{name}.weight_shape"] = torch.tensor([weight.rows, weight.columns])
+        if weight.zero is not None:
+            state[f"{name}.weight_zero_point"] = pack_zero_points(weight.zero, weight.bits)
     apply_quantization_config(model, config)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMAT)
     compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED  # as written: packed

@@ -148,7 +148,7 @@ def quantize(
         2, "--batch-size", help="Calibration windows per forward pass of the sequential mode (more: a higher memory peak; 4 and 8 measured no faster).",
     ),
 ):
-    """Quantize the decoder's linears: a compressed-tensors (pack-quantized) model that stock transformers loads, or lmpress-packed for codebooks and asymmetric grids."""
+    """Quantize the decoder's linears: a compressed-tensors (pack-quantized) model that stock transformers loads, or lmpress-packed for codebooks."""
     from pipelines.stages import QuantizeConfig, quantize as run
 
     config = QuantizeConfig(

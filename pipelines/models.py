@@ -444,13 +444,14 @@ def load_tokenizer(folder: Path):
 def load_model(spec: str, dtype: torch.dtype = torch.float32, packed: bool = False) -> LoadedModel:
     """Resolve, check and load a causal LM in eval mode, on the CPU (its tokenizer on first use).
     A compressed-tensors pack-quantized model is decompressed, as stock transformers runs it,
-    unless `packed` or its layers have their own widths: then its packed linears are
-    PackedLinears, as an lmpress-packed model's always are (`load_stored`; the serving loader).
+    unless `packed`, its layers have their own widths or a grid is asymmetric (whose packed zero
+    points transformers' compressed load rejects): then its packed linears are PackedLinears,
+    as an lmpress-packed model's always are (`load_stored`; the serving loader).
     On the CPU a PackedLinear computes with its dequantized weight: the decompressed model's."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from compressors.packed_int import FORMAT as PACKED_FORMAT
+    from compressors.packed_int import FORMAT as PACKED_FORMAT, has_zero_points
 
     folder = resolve_model(spec)
     config = load_config(folder)
@@ -460,7 +461,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, packed: bool = Fal
     settings = getattr(config, "quantization_config", None) or {}
     widths = bool(getattr(config, LAYER_WIDTHS, None))
     pack_quantized = settings.get("quant_method") == "compressed-tensors" and settings.get("format") == PACKED_FORMAT
-    if settings.get("quant_method") == "lmpress" or (pack_quantized and (packed or widths)):  # per-layer widths: transformers cannot build them
+    if settings.get("quant_method") == "lmpress" or (pack_quantized and (packed or widths or has_zero_points(settings))):  # per-layer widths: transformers cannot build them
         from pipelines.serving import packed_weights
 
         model = load_stored(_empty_model(folder, config, dtype), folder, dtype, packed_weights(folder))

@@ -37,6 +37,9 @@ HEADLINE = {
     "draft": ("layers", "draft", "vocab_trim", "steps"),
 }
 VLLM_BITS = (4, 8)  # compressed-tensors pack-quantized widths vLLM's WNA16 kernels serve
+# with zero points: vLLM's Marlin takes uint4 with zero points; its uint8 type passes the config
+# check, then fails in the kernel
+VLLM_ASYMMETRIC_BITS = (4,)
 VLLM_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # linears vLLM runs as one (qkv_proj, gate_up_proj)
 
 
@@ -178,7 +181,10 @@ def loaders(facts: ArtifactFacts) -> tuple[bool, bool]:
         return False, False
     if quant.get("quant_method") == "compressed-tensors":
         groups = (quant.get("config_groups") or {}).values()
-        widths = quant.get("format") == "pack-quantized" and all((g.get("weights") or {}).get("num_bits") in VLLM_BITS for g in groups)
+        widths = quant.get("format") == "pack-quantized" and all(
+            (g.get("weights") or {}).get("num_bits") in (VLLM_BITS if (g.get("weights") or {}).get("symmetric", True) else VLLM_ASYMMETRIC_BITS)
+            for g in groups
+        )
         return True, widths and _fused_parts_agree(facts)
     return True, True  # plain weights or bitsandbytes, both of which transformers and vLLM load
 
@@ -272,19 +278,29 @@ def _tags(facts: ArtifactFacts) -> list[str]:
 
 
 def _loading_section(facts: ArtifactFacts, repo_id: str) -> list[str]:
+    from compressors.packed_int import has_zero_points
+
     stock, vllm = loaders(facts)
     method = facts.quantization.get("quant_method")
     lines = ["## How to load", ""]
     if stock:
         needs = {"compressed-tensors": " (needs `pip install compressed-tensors`)", "bitsandbytes": " (needs `pip install bitsandbytes`)"}.get(method, "")
-        lines += [
-            f"Stock transformers{needs}:", "", "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", "",
-        ]
+        if has_zero_points(facts.quantization):  # transformers' compressed load rejects packed zero points (llm-compressor issue 1618)
+            lines += [
+                f"Stock transformers{needs}, dequantized to dense weights (its compressed load does not take the packed zero points of "
+                "asymmetric grids):", "", "```python",
+                "from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig", "",
+                f'model = AutoModelForCausalLM.from_pretrained("{repo_id}", quantization_config=CompressedTensorsConfig(dequantize=True))',
+            ]
+        else:
+            lines += [
+                f"Stock transformers{needs}:", "", "```python",
+                "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                f'model = AutoModelForCausalLM.from_pretrained("{repo_id}")',
+            ]
+        lines += [f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", ""]
     else:
-        why = "per-layer widths" if facts.config.get("lmpress_layer_widths") else "a packed format (codebooks, asymmetric grids or 2:4 sparsity) no engine reads"
+        why = "per-layer widths" if facts.config.get("lmpress_layer_widths") else "a packed format (codebooks or 2:4 sparsity) no engine reads"
         lines += [f"This model uses {why}; stock transformers cannot open it. lmpress's loader serves it with its Triton kernels (torch reference on a CPU):", ""]
     lines += [
         "With lmpress (serves packed weights with the kernels in `kernels/`):", "", "```bash",

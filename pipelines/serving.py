@@ -98,7 +98,6 @@ def packed_weights(folder: Path) -> dict:
     weights = {}
     for key in sorted(k for k in handles if k.endswith(".weight_packed")):
         name = key.removesuffix(".weight_packed")
-        require(f"{name}.weight_zero_point" not in handles, f"{name} has packed zero points; lmpress serves those from its own format only")
         grid, packed, columns = _grid_of(name, settings, folder), tensor(key), int(tensor(f"{name}.weight_shape")[1])
         bits, scale = grid["num_bits"], tensor(f"{name}.weight_scale").half()
         words = -(-columns * bits // 32)  # a row's codes, packed densely into int32 words
@@ -108,8 +107,27 @@ def packed_weights(folder: Path) -> dict:
             "restore the artifact's own config.json",
         )
         require_groups(f"{name}.weight_scale", scale, columns, _group_size(grid))
-        weights[name] = PackedWeight(packed, scale, bits, columns)
+        weights[name] = PackedWeight(packed, scale, bits, columns, _zero_points(name, grid, packed.shape[0], scale, tensor, handles))
     return weights
+
+
+def _zero_points(name: str, grid: dict, rows: int, scale: torch.Tensor, tensor, handles) -> torch.Tensor | None:
+    """The linear's zero points unpacked, int8 [rows, groups], where its grid is asymmetric;
+    None where it is symmetric (a zero point stored anyway is a config edited by hand)."""
+    from compressors.packed_int import unpack_zero_points
+
+    key = f"{name}.weight_zero_point"
+    if grid.get("symmetric", True):
+        require(key not in handles, f"{name} stores zero points but its config group is symmetric; restore the artifact's own config.json")
+        return None
+    packed, bits = tensor(key), grid["num_bits"]
+    words = -(-rows * bits // 32)  # the zero points are packed down the columns
+    require(
+        packed.dtype == torch.int32 and tuple(packed.shape) == (words, scale.shape[1]),
+        f"{key} is {packed.dtype} {list(packed.shape)}, not int32 {[words, scale.shape[1]]}: the {rows} x {scale.shape[1]} "
+        f"{bits}-bit zero points packed down the columns; re-create the artifact",
+    )
+    return unpack_zero_points(packed, bits, rows)
 
 
 def swap_in_packed_linears(model, weights: dict) -> None:

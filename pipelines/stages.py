@@ -626,8 +626,8 @@ def sparse_24_masks(model, chain: list[dict], plan: dict) -> dict[str, torch.Ten
 def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeConfig) -> Path:
     """Quantize every decoder linear (RTN; GPTQ, AWQ or SqueezeLLM from the calibration data,
     walking the model layer by layer so each layer sees the already-quantized inputs, or from
-    the stored statistics) and write a compressed-tensors artifact, or an lmpress-packed one for
-    codebooks and asymmetric grids."""
+    the stored statistics) and write a compressed-tensors artifact (asymmetric grids too, with
+    packed zero points), or an lmpress-packed one for codebooks and 2:4 sparse weights."""
     from compressors.awq import awq_layer
     from compressors.gptq import gptq_quantize_together
     from compressors.grid import round_to_nearest
@@ -707,7 +707,7 @@ def quantize(model: str, calibration: Path | None, out: Path, config: QuantizeCo
         walk_layers(loaded, calib if config.method != "rtn" else None, config, quantize_layer, advance, release_layer, config.true_sequential, tmp)
         for file in spilled.iterdir():
             packed.update(read_spilled(file))
-        if sparse or config.method in CODEBOOK_METHODS or not all(grid.symmetric for grid in plan.values()):
+        if sparse or config.method in CODEBOOK_METHODS:
             save_lmpress_packed(loaded.model, packed, tmp)  # what compressed-tensors cannot carry
         else:
             save_pack_quantized(loaded.model, packed, plan, tmp, config.act_order)

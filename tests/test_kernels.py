@@ -180,13 +180,13 @@ def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder
     assert text.returncode == 0, text.stderr
 
 
-@pytest.mark.parametrize("symmetric", [True, False], ids=["compressed-tensors", "lmpress-packed"])
-def test_serving_load_never_holds_a_dense_copy_of_a_packed_weight(tmp_path, tiny_folder, symmetric):
+@pytest.mark.parametrize("kind", ["compressed-tensors", "compressed-tensors-asymmetric", "lmpress-packed"])
+def test_serving_load_never_holds_a_dense_copy_of_a_packed_weight(tmp_path, tiny_folder, kind):
     """load_for_serving builds the model empty and fills it from the files, so no float tensor
     of a packed linear's shape is ever computed (transformers' loads decompress or initialize
     them: a whole dense model in host memory; the detector sees `dense_copy` make them), and it
     gives the logits of the base model with each packed weight dequantized in place (and, for
-    compressed-tensors, of the decompressed load)."""
+    symmetric compressed-tensors, of the decompressed load)."""
     from torch.utils import _pytree
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -194,9 +194,22 @@ def test_serving_load_never_holds_a_dense_copy_of_a_packed_weight(tmp_path, tiny
     from pipelines.serving import dense_copy, load_for_serving, packed_weights
     from pipelines.stages import QuantizeConfig, quantize
 
-    out = quantize(str(tiny_folder), None, tmp_path / "q", QuantizeConfig(method="rtn", bits=4, group_size=32, symmetric=symmetric))
-    assert ("lmpress" in (out / "config.json").read_text()) is not symmetric  # zero points: lmpress' own format
+    symmetric = kind == "compressed-tensors"
+    if kind == "lmpress-packed":  # what the quantize stage writes for codebooks and the prune stage for 2:4; here an asymmetric grid
+        import shutil
+
+        from compressors.grid import GridSpec, round_to_nearest
+        from compressors.lmpress_format import packed_weight, save_lmpress_packed
+
+        model, out = load_model(str(tiny_folder)).model, tmp_path / "q"
+        shutil.copytree(tiny_folder, out)
+        save_lmpress_packed(model, {name: packed_weight(round_to_nearest(module.weight.data, GridSpec(4, 32, symmetric=False)))
+                                    for name, module in model.named_modules() if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear)}, out)
+    else:
+        out = quantize(str(tiny_folder), None, tmp_path / "q", QuantizeConfig(method="rtn", bits=4, group_size=32, symmetric=symmetric))
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == ("lmpress" if kind == "lmpress-packed" else "compressed-tensors")
     weights = packed_weights(out)
+    assert {weight.kind for weight in weights.values()} == {"symmetric" if symmetric else "asymmetric"}
     packed = {(weight.rows, weight.columns) for weight in weights.values()}
 
     class DenseCopies(TorchDispatchMode):
@@ -256,9 +269,9 @@ def test_columns_grouped_out_of_order_are_refused_in_one_line(tmp_path, tiny_fol
 def test_validation_fails_on_nan_and_damaged_artifacts_are_one_line(tmp_path, tiny_folder, monkeypatch):
     """A kernel that gives NaN fails validation (NaN compares false with any tolerance, and is
     no JSON), and `lmpress validate` exits 1 naming it; a failed report write never leaves an
-    old report vouching for kernels it did not check. An lmpress-packed artifact with a dense
-    tensor missing, misshapen or of another kind (integers for floats), or scales in other
-    groups than its config says, is one line
+    old report vouching for kernels it did not check. A packed artifact with a dense tensor
+    missing, misshapen or of another kind (integers for floats), scales in other groups than its
+    config says, or zero points not packed as compressed-tensors packs them, is one line
     (transformers would initialize the tensor at random; the kernels would decode other weights)."""
     import dataclasses
 
@@ -307,6 +320,8 @@ def test_validation_fails_on_nan_and_damaged_artifacts_are_one_line(tmp_path, ti
         (lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale": t["model.layers.0.mlp.up_proj.weight_scale"][:, :1].clone(),
                              "model.layers.0.mlp.up_proj.weight_zero_point": t["model.layers.0.mlp.up_proj.weight_zero_point"][:, :1].clone()}),
          "model.layers.0.mlp.up_proj.weight_scale holds 1 groups a row, not those of 64 inputs in groups of 32"),
+        (lambda t: t.update({"model.layers.0.mlp.up_proj.weight_zero_point": torch.zeros(96, 2, dtype=torch.int8)}),  # unpacked
+         "model.layers.0.mlp.up_proj.weight_zero_point is torch.int8 [96, 2], not int32 [12, 2]: the 96 x 2 4-bit zero points packed down"),
     ):
         damaged = dict(tensors)
         damage(damaged)

@@ -216,3 +216,22 @@ def test_publish_refuses_bad_input_and_reports_hub_failures_in_one_line(quantize
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "rejected the token" in result.stderr
     assert TOKEN not in result.stdout + result.stderr and "Traceback" not in result.stderr
     assert leftovers(artifact) == []  # no staging folder left beside the artifact
+
+
+def test_an_asymmetric_card_loads_dequantized_and_claims_vllm_at_4_bits_only(quantized, tmp_path):
+    """Asymmetric grids are compressed-tensors with packed zero points: the card's transformers
+    snippet asks for the dequantized load (the compressed one rejects them), and vLLM is
+    claimed for 4-bit zero points (Marlin's uint4), not 8-bit."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from pipelines.publish import model_card, read_facts
+    from pipelines.stages import QuantizeConfig, quantize
+
+    base = Path(json.loads((quantized[0] / "lineage.json").read_text())["chain"][0]["model"])
+    cards = {}
+    for bits in (4, 8):
+        out = quantize(str(base), None, tmp_path / f"asym{bits}", QuantizeConfig(method="rtn", bits=bits, group_size=32, symmetric=False))
+        cards[bits] = model_card(read_facts(out), f"tester/asym{bits}")
+    snippet = 'from_pretrained("tester/asym4", quantization_config=CompressedTensorsConfig(dequantize=True))'
+    assert snippet in cards[4] and "vllm serve tester/asym4" in cards[4] and "vllm serve" not in cards[8]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "asym4", quantization_config=CompressedTensorsConfig(dequantize=True))  # as the card says

@@ -206,6 +206,46 @@ def test_rtn_artifact_loads_in_stock_transformers_and_round_trips(tmp_path, tiny
     assert not (out / ".layers").exists()  # the finished layers' spill is gone once the artifact is written
 
 
+def test_asymmetric_grid_is_compressed_tensors_with_packed_zero_points(tmp_path, tiny_folder):
+    """An asymmetric grid is written as llm-compressor's W4A16_ASYM is: pack-quantized with
+    int32 zero points packed down the columns. lmpress's loader and its serving loader give the
+    in-memory RTN model's logits; stock transformers opens it dequantized (its compressed load
+    rejects packed zero points), with the weights rounded to the scales' fp16."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from pipelines.models import load_model
+    from pipelines.serving import load_for_serving
+
+    out = tmp_path / "asym"
+    result = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--bits", "4", "--group-size", "32", "--symmetric", "false", "--out", out)
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    assert [group["weights"]["symmetric"] for group in config["config_groups"].values()] == [False]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
+    tensors, spec = load_file(out / "model.safetensors"), GridSpec(4, 32, symmetric=False)
+    for name, module in reference.named_modules():
+        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+            q = round_to_nearest(module.weight.data, spec)
+            module.weight.data = q.dequantized()
+            assert tensors[f"{name}.weight_zero_point"].shape == (-(-q.zero.shape[0] * 4 // 32), q.zero.shape[1])
+    ids = torch.randint(0, 49152, (2, 12))
+    with torch.no_grad():
+        expected = reference(ids).logits
+        for model in (load_model(str(out)).model, load_for_serving(str(out)).model):
+            torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=1e-5)
+        stock = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()(ids).logits
+    assert (stock - expected).abs().max() <= 2e-3 * expected.abs().max()
+    report = json.loads((out / "validation.json").read_text())
+    assert report["max_rel_error"] < 1e-5 and {e["decode"] for e in report["layers"].values()} == {"asymmetric, group 32 stored values"}
+
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = True
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LmpressError, match=r"model\.layers\.0\.\w+\.\w+ stores zero points but its config group is symmetric; restore the artifact's own config.json"):
+        load_for_serving(str(out))
+
+
 def test_quantize_bad_input(tmp_path, tiny_folder):
     out = tmp_path / "q"
 
@@ -384,6 +424,8 @@ def save_with_compressed_tensors(model, quantized: dict, groups: list[tuple[list
     apply_quantization_config(model, config)
     for name, q in quantized.items():
         modules[name].weight_scale = torch.nn.Parameter(q.scale.half(), requires_grad=False)
+        if not q.spec.symmetric:
+            modules[name].weight_zero_point = torch.nn.Parameter(q.zero.to(torch.int8), requires_grad=False)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMAT)
     compressor.compress_model(model)
     model.save_pretrained(out)
@@ -393,13 +435,16 @@ def save_with_compressed_tensors(model, quantized: dict, groups: list[tuple[list
 def test_pack_quantized_writer_matches_compressed_tensors_own_compressor(tmp_path, tiny_folder):
     """lmpress writes the packed tensors from the codes, without reading the (released)
     weights; the result is what compressed-tensors' own compressor writes from the dequantized
-    weights: the same tensors and the same config, with mixed grids, per channel and a linear
-    left dense."""
+    weights: the same tensors and the same config, with mixed grids, per channel, asymmetric
+    (packed zero points, as llm-compressor's W4A16_ASYM) and a linear left dense."""
     from compressors.lmpress_format import packed_weight
     from compressors.packed_int import save_pack_quantized
     from pipelines.models import load_model, release_weights
 
-    grids = {"model.layers.0.mlp.down_proj": GridSpec(8, -1), "model.layers.1.self_attn.q_proj": GridSpec(2, 32)}
+    grids = {
+        "model.layers.0.mlp.down_proj": GridSpec(8, -1), "model.layers.1.self_attn.q_proj": GridSpec(2, 32),
+        "model.layers.2.mlp.gate_proj": GridSpec(4, 32, symmetric=False), "model.layers.2.self_attn.o_proj": GridSpec(3, -1, symmetric=False),
+    }
     outputs = {}
     for writer in ("lmpress", "compressed-tensors"):
         model = load_model(str(tiny_folder)).model
@@ -421,7 +466,7 @@ def test_pack_quantized_writer_matches_compressed_tensors_own_compressor(tmp_pat
         save_with_compressed_tensors(model, quantized, [(names, spec) for spec, names in groups], out)
     ours, theirs = (load_file(outputs[w] / "model.safetensors") for w in ("lmpress", "compressed-tensors"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
-    assert "model.layers.3.mlp.up_proj.weight" in ours
+    assert "model.layers.3.mlp.up_proj.weight" in ours and ours["model.layers.2.mlp.gate_proj.weight_zero_point"].dtype == torch.int32
     assert json.loads((outputs["lmpress"] / "config.json").read_text()) == json.loads((outputs["compressed-tensors"] / "config.json").read_text())
 
 

@@ -1,4 +1,4 @@
-"""SqueezeLLM codebooks and the lmpress-packed format (codebooks, asymmetric grids)."""
+"""SqueezeLLM codebooks and the lmpress-packed format that carries them."""
 
 import json
 
@@ -126,26 +126,6 @@ def test_squeezellm_artifact_round_trips_and_serves(tmp_path, tiny_folder, tiny_
     assert metrics.returncode == 0, metrics.stderr
     # 3-bit codes + an 8-entry fp16 table per 64-wide row = 5 bits; one linear of 28 left dense (32 bits)
     assert 5.5 < json.loads((tmp_path / "m.json").read_text())["bits_per_weight"] < 7
-
-
-def test_asymmetric_grid_goes_to_the_lmpress_format(tmp_path, tiny_folder):
-    """compressed-tensors cannot reload packed zero points here, so asymmetric grids are written
-    in lmpress's format and served by its loader, equal to the in-memory RTN model."""
-    from transformers import AutoModelForCausalLM
-
-    from pipelines.models import load_model
-
-    out = tmp_path / "asym"
-    result = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--bits", "3", "--group-size", "32", "--symmetric", "false", "--out", out)
-    assert result.returncode == 0, result.stderr
-    modules = json.loads((out / "config.json").read_text())["quantization_config"]["modules"]
-    assert modules["model.layers.1.self_attn.q_proj"] == {"bits": 3, "decode": "grid", "group_size": 32, "symmetric": False, "sparse24": False}
-    reference = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
-    for name in modules:
-        module = reference.get_submodule(name)
-        module.weight.data = round_to_nearest(module.weight.data, GridSpec(3, 32, False)).dequantized()
-    ids = torch.randint(0, 49152, (2, 12))
-    torch.testing.assert_close(_logits(load_model(str(out)).model, ids), _logits(reference, ids), rtol=0, atol=1e-5)
 
 
 def test_squeezellm_bad_input(tmp_path, tiny_folder, tiny_calibration):
