@@ -6,7 +6,7 @@ quantized linear `<name>`:
                           at bits [i*b, i*b + b) of the row, stored as q + 2^(b-1) (unsigned)
     <name>.weight_scale   fp16  [out, groups]
     <name>.weight_shape   int64 [2]
-  asymmetric grids (llm-compressor's W4A16_ASYM layout, which vLLM serves at 4 and 8 bits):
+  asymmetric grids (llm-compressor's W4A16_ASYM layout, which vLLM serves at 4 bits):
     <name>.weight_zero_point  int32 [ceil(out * bits / 32), groups]: the signed zero points
                           (w = (q - zero) * scale) packed as the codes are, but down the columns
 and `quantization_config` in config.json (quant_method "compressed-tensors", one config group

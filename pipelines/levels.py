@@ -430,8 +430,8 @@ def search(model: str, levels: Path, calibration: Path, out: Path, config: Searc
     if validation is not None:
         check = {"windows": len(held_aside), "seq_len": stored.shape[1],
                  "start": validation(state.start, len(held_aside)), "searched": validation(state.parent, len(held_aside))}
-        plan = state.parent if check["searched"] <= check["start"] else state.start
-        check["kept"] = "searched" if plan is state.parent else "start"
+        check["kept"] = "searched" if check["searched"] <= check["start"] else "start"
+        plan = state.parent if check["kept"] == "searched" else state.start
     candidates.restore()
     report = {
         "kind": config.kind(database), "budget": config.budget, "drop": config.drop, "start": config.start,

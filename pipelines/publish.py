@@ -180,10 +180,9 @@ def loaders(facts: ArtifactFacts) -> tuple[bool, bool]:
     if facts.config.get("lmpress_layer_widths") or quant.get("quant_method") == "lmpress":
         return False, False
     if quant.get("quant_method") == "compressed-tensors":
-        groups = (quant.get("config_groups") or {}).values()
+        weights = [group.get("weights") or {} for group in (quant.get("config_groups") or {}).values()]
         widths = quant.get("format") == "pack-quantized" and all(
-            (g.get("weights") or {}).get("num_bits") in (VLLM_BITS if (g.get("weights") or {}).get("symmetric", True) else VLLM_ASYMMETRIC_BITS)
-            for g in groups
+            w.get("num_bits") in (VLLM_BITS if w.get("symmetric", True) else VLLM_ASYMMETRIC_BITS) for w in weights
         )
         return True, widths and _fused_parts_agree(facts)
     return True, True  # plain weights or bitsandbytes, both of which transformers and vLLM load
