@@ -90,6 +90,32 @@ def evaluate(
     out_console.print(metrics_table(metrics))
 
 
+@app.command("lm-eval")
+def lm_eval(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    tasks: str = typer.Option(
+        "austen-lastword,pydoc-lastword,reuters-lastword",
+        help="Comma-separated: lmpress's own (a held-out corpus's sentence-final words, LAMBADA-style, offline) or any lm-eval task, e.g. hellaswag (its data from the hub).",
+    ),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the scores as JSON here (a DVC metrics file; `publish --metrics` puts them on the card)."),
+    limit: int = typer.Option(500, help="Examples per task, the first ones (0: all)."),
+    num_fewshot: int = typer.Option(0, "--num-fewshot", help="Solved examples shown before each one."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Requests per forward pass."),
+    include_path: Optional[Path] = typer.Option(None, "--include-path", help="A folder of lm-eval task YAML files: tasks of your own."),
+):
+    """Downstream-task accuracy through lm-eval, on the model as lmpress serves it."""
+    from pipelines.tasks import TasksConfig, evaluate_tasks, score_metrics, stderr_key
+
+    config = TasksConfig(tasks=tasks, limit=limit, num_fewshot=num_fewshot, batch_size=batch_size, include_path=str(include_path or ""))
+    scores = evaluate_tasks(model, out, config)
+    table = Table("task", "metric", "value", "stderr", "examples", title=f"{model} on {scores['device']} (lm-eval {scores['lm_eval']['version']})")
+    for task, entry in scores["tasks"].items():
+        for metric in score_metrics(entry):
+            stderr = entry.get(stderr_key(metric))
+            table.add_row(task, metric, f"{entry[metric]:.4f}", f"{stderr:.4f}" if isinstance(stderr, (int, float)) else "", str(entry["examples"]))
+    out_console.print(table)
+
+
 def clip_search_option(method: str):
     """--clip-search, as quantize, prune and levels take it (None: the stage's default)."""
     return typer.Option(

@@ -85,6 +85,8 @@ class ArtifactFacts:
     metrics: dict | None  # `lmpress evaluate` output for this artifact
     base_metrics: dict | None  # the same for its base model
     draft_metrics: dict | None  # `lmpress evaluate-draft` output, when the artifact is a draft
+    tasks: dict | None = None  # `lmpress lm-eval` output for this artifact
+    base_tasks: dict | None = None  # the same for its base model
 
     @property
     def chain(self) -> list[dict]:
@@ -136,12 +138,13 @@ def _match_metrics(facts: ArtifactFacts, spec: str) -> None:
         if not isinstance(metrics, dict):  # some other JSON in a metrics folder
             require(not explicit, f"{file} is not an lmpress metrics file; pass the files `lmpress evaluate --out` wrote")
             continue
+        kind = "tasks" if "lm_eval" in metrics else "metrics"  # `lmpress lm-eval` scores, or `lmpress evaluate` metrics
         if metrics.get("draft_lineage_hash") == own:
             facts.draft_metrics = metrics
         elif metrics.get("lineage_hash") == own:
-            facts.metrics = metrics
+            setattr(facts, kind, metrics)
         elif metrics.get("lineage_hash") == base and len(facts.chain) > 1:
-            facts.base_metrics = metrics
+            setattr(facts, f"base_{kind}", metrics)
         elif explicit:
             raise LmpressError(
                 f"{file} was measured on another model than {facts.folder} (or an older version of it); "
@@ -350,6 +353,31 @@ def _metrics_section(facts: ArtifactFacts) -> list[str]:
     return lines + _draft_rows(facts)
 
 
+def _tasks_section(facts: ArtifactFacts) -> list[str]:
+    """The `lmpress lm-eval` scores, beside the base's where it was scored the same way."""
+    from pipelines.tasks import score_metrics, stderr_key
+
+    scores = facts.tasks
+    if scores is None:
+        return []
+    settings = {key: scores["lm_eval"].get(key) for key in ("version", "limit", "num_fewshot")}
+    base = facts.base_tasks if facts.base_tasks and all(facts.base_tasks["lm_eval"].get(k) == v for k, v in settings.items()) else {"tasks": {}}
+    rows = []
+    for task, entry in scores["tasks"].items():
+        for metric, value in entry.items():
+            if metric in score_metrics(entry):
+                cells = [entry_of.get(task, {}) for entry_of in (base["tasks"], scores["tasks"])]
+                cells = ["–" if metric not in e else f"{_number(e[metric])} ± {_number(e.get(stderr_key(metric)))}" for e in cells]
+                rows.append(f"| {task} ({entry.get('examples')} examples) | {metric} | {cells[0]} | {cells[1]} |")
+    limit = f"the first {settings['limit']} examples of each task" if settings["limit"] else "every example"
+    return [
+        "## Downstream tasks", "",
+        f"Scored by lm-eval {settings['version']} through `lmpress lm-eval` ({settings['num_fewshot']}-shot, {limit}), on the model as lmpress serves it; "
+        "the `-lastword` tasks are held-out text's sentence-final words, disjoint from the calibration data.", "",
+        "| task | metric | base model | this model |", "| --- | --- | --- | --- |", *rows, "",
+    ]
+
+
 def _draft_rows(facts: ArtifactFacts) -> list[str]:
     draft = facts.draft_metrics
     if draft is None:
@@ -477,7 +505,7 @@ def model_card(facts: ArtifactFacts, repo_id: str) -> str:
         f"`{base}` compressed with lmpress: {stages}.", "",
         "Everything below is generated from the artifact's own records: its lineage manifest, its kernel validation report "
         "and the metrics lmpress measured on it.", "",
-        *_loading_section(facts, repo_id), *_metrics_section(facts), *_kernels_section(facts),
+        *_loading_section(facts, repo_id), *_metrics_section(facts), *_tasks_section(facts), *_kernels_section(facts),
         *_lineage_section(facts), *_calibration_section(facts),
         "## License", "",
         f"Carried from the base model `{base}`: {license_id}." if license_id != "unknown" else

@@ -231,12 +231,18 @@ def held_out_windows(corpus: str, tokenizer, chain: list[dict], windows: int, se
     document, and where a user file is involved no text, with the calibration data of any stage
     in `chain`; `options` name the two settings in the error for too little text."""
     part = tokenize_part(corpus, tokenizer)
+    require_held_out(corpus, part.documents, chain)
+    return leading_windows(part, windows, seq_len, options), part.documents
+
+
+def require_held_out(corpus: str, documents: list[str], chain: list[dict]) -> None:
+    """`corpus` (its document ids `documents`) shares no document, and where a user file is
+    involved no text, with the calibration data of any stage in `chain`."""
     calibrations = [record["calibration"] for record in chain if "calibration" in record]
     calibration_documents = [doc for calibration in calibrations for doc in calibration.get("documents", [])]
     check_disjoint(calibration_documents + [doc for calibration in calibrations for doc in calibration.get(HELD_OUT_REPEATED, [])],
-                   part.documents, corpus)
+                   documents, corpus)
     check_text_disjoint([calibration["corpus"] for calibration in calibrations if "corpus" in calibration], calibration_documents, corpus)
-    return leading_windows(part, windows, seq_len, options), part.documents
 
 
 def _build_reference(base, reference: Path, windows: dict, config: EvaluateConfig) -> None:

@@ -235,3 +235,25 @@ def test_an_asymmetric_card_loads_dequantized_and_claims_vllm_at_4_bits_only(qua
     snippet = 'from_pretrained("tester/asym4", quantization_config=CompressedTensorsConfig(dequantize=True))'
     assert snippet in cards[4] and "vllm serve tester/asym4" in cards[4] and "vllm serve" not in cards[8]
     AutoModelForCausalLM.from_pretrained(tmp_path / "asym4", quantization_config=CompressedTensorsConfig(dequantize=True))  # as the card says
+
+
+def test_the_card_shows_lm_eval_scores_beside_the_bases_scored_the_same_way(quantized, tmp_path):
+    from pipelines.publish import PublishConfig, publish
+    from pipelines.tasks import TasksConfig, evaluate_tasks
+
+    artifact, metrics = quantized
+    base = artifact.parent / "tiny"
+    folder = tmp_path / "metrics"
+    shutil.copytree(metrics, folder)
+    ours = evaluate_tasks(str(artifact), folder / "tasks.json", TasksConfig(tasks="pydoc-lastword", limit=4, batch_size=4))
+    theirs = evaluate_tasks(str(base), folder / "base-tasks.json", TasksConfig(tasks="pydoc-lastword", limit=4, batch_size=4))
+    card = publish(artifact, PublishConfig(repo_id="tester/x", dry_run=True, metrics=str(folder)), tmp_path / "hub")["card_text"]
+    assert "## Downstream tasks" in card and "lm-eval 0.4.13 through `lmpress lm-eval` (0-shot, the first 4 examples of each task)" in card
+    row = next(line for line in card.splitlines() if line.startswith("| pydoc-lastword (4 examples) | acc |"))
+    cells = [f"{e['tasks']['pydoc-lastword']['acc']:.4g} ± {e['tasks']['pydoc-lastword']['acc_stderr']:.4g}" for e in (theirs, ours)]
+    assert row == f"| pydoc-lastword (4 examples) | acc | {cells[0]} | {cells[1]} |"
+    assert any(line.startswith("| pydoc-lastword (4 examples) | perplexity |") for line in card.splitlines())
+
+    evaluate_tasks(str(base), folder / "base-tasks.json", TasksConfig(tasks="pydoc-lastword", limit=3, batch_size=4))  # not the same examples
+    card = publish(artifact, PublishConfig(repo_id="tester/x", dry_run=True, metrics=str(folder)), tmp_path / "hub2")["card_text"]
+    assert f"| pydoc-lastword (4 examples) | acc | – | {cells[1]} |" in card
