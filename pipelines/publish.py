@@ -362,13 +362,14 @@ def _tasks_section(facts: ArtifactFacts) -> list[str]:
         return []
     settings = {key: scores["lm_eval"].get(key) for key in ("version", "limit", "num_fewshot")}
     base = facts.base_tasks if facts.base_tasks and all(facts.base_tasks["lm_eval"].get(k) == v for k, v in settings.items()) else {"tasks": {}}
-    rows = []
-    for task, entry in scores["tasks"].items():
-        for metric, value in entry.items():
-            if metric in score_metrics(entry):
-                cells = [entry_of.get(task, {}) for entry_of in (base["tasks"], scores["tasks"])]
-                cells = ["–" if metric not in e else f"{_number(e[metric])} ± {_number(e.get(stderr_key(metric)))}" for e in cells]
-                rows.append(f"| {task} ({entry.get('examples')} examples) | {metric} | {cells[0]} | {cells[1]} |")
+
+    def cell(entry: dict, metric: str) -> str:
+        return "–" if metric not in entry else f"{_number(entry[metric])} ± {_number(entry.get(stderr_key(metric)))}"
+
+    rows = [
+        f"| {task} ({entry.get('examples')} examples) | {metric} | {cell(base['tasks'].get(task, {}), metric)} | {cell(entry, metric)} |"
+        for task, entry in scores["tasks"].items() for metric in score_metrics(entry)
+    ]
     limit = f"the first {settings['limit']} examples of each task" if settings["limit"] else "every example"
     return [
         "## Downstream tasks", "",
