@@ -18,6 +18,8 @@
 #   mma       benchmarks/gemv_mma.py: the batch-1 int4 GEMV on the tensor cores (an experiment, each
 #             word decoded into its mma.sync fragment), at each of its launches, beside fp16 and the
 #             served GEMV
+#   profile   benchmarks/gemv_profile.py under Nsight Compute (ncu): DRAM throughput, occupancy, issue
+#             and warp stall counters of the fastest batch-1 launches and cuBLAS fp16, into $OUT
 #   latency   `lmpress latency --random-weights` on the GPU: the table `search --budget-latency`
 #             counts in (its launches compiled first, in parallel: kernel_speed.py --levels),
 #             from a model's config.json and a level database's manifest.json alone
@@ -36,7 +38,7 @@
 # TESTS_K replaces the tests' selection (e.g. "every_tuned and pipelined": the GEMV launches that
 # copy blocks ahead).
 #
-#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [gemv] [gluon] [mma] [latency] [decode]   (default: all but gemv, gluon, mma and decode)
+#   bash benchmarks/gpu_check.sh [tests] [validate] [speed] [gemv] [gluon] [mma] [profile] [latency] [decode]   (default: all but gemv, gluon, mma, profile and decode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/lmpress-gpu}
@@ -93,6 +95,17 @@ fi
 if [[ " $STEPS " == *" mma "* ]]; then
     python3 benchmarks/gemv_mma.py --compile-workers "${COMPILE_WORKERS:-14}" --out "$OUT/mma" >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     grep -E " best: |Error" "$LOG" | tail -6
+fi
+if [[ " $STEPS " == *" profile "* ]]; then
+    # Nsight Compute's counters of the fastest batch-1 launches and cuBLAS fp16 (benchmarks/gemv_profile.py);
+    # --clock-control none: the card's clocks are left as they are
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis -f -o "$OUT/gemv_profile" \
+        python3 benchmarks/gemv_profile.py >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
+    "$NCU" --import "$OUT/gemv_profile.ncu-rep" --page details --csv >"$OUT/gemv_profile_details.csv" 2>>"$LOG" || status=1
+    "$NCU" --import "$OUT/gemv_profile.ncu-rep" --page raw --csv >"$OUT/gemv_profile_raw.csv" 2>>"$LOG" || status=1
+    grep -E "^profiled:" "$LOG" | tail -8
 fi
 for step in latency decode; do
     [[ " $STEPS " == *" $step "* ]] || continue

@@ -12,10 +12,12 @@
 #   .venv/bin/python benchmarks/gemv_l1_model.py --timings FILES_AT/gluon/gemv_gluon.json --out /tmp/l1
 # where FILES_AT is where the run's files came back.
 #
-# The steps: (1) every Gluon launch timed (the x-in-shared-memory ones are untimed so far; the fit
-# predicts 3.05-3.6x fp16 at the large shapes); (2) served int4 at batch 1, as serving picks now;
-# (3) the compiled tests of the Gluon GEMV and CUDA-graph decoding; (4) the tensor-core GEMV's sweep
-# (the lead for batches 2-8); (5) `lmpress validate` on the slices, with whatever time is left.
+# The steps: (1) every Gluon launch timed, the "pairs" launches (HALF2=2, stop 69) beside their
+# twins, and what serving picks per shape; (2) the compiled test of every Gluon launch against the
+# reference (and CUDA-graph decoding); (3) Nsight Compute's counters of the fastest launches and
+# cuBLAS fp16 (why the GEMV streams at 2.4-2.6 TB/s where fp16 reaches 4.4); (4) served int4 at
+# batch 1 (kernel_speed.py: bandwidth against the measured read roof); (5) `lmpress validate` on
+# the slices, with whatever time is left.
 set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/lmpress-gpu}
@@ -27,14 +29,11 @@ step() {
     timeout -k 5 "$limit" "$@"
     echo "=== rc $? at ${SECONDS}s"  # (timeout signals the step's whole process group: its compile workers too)
 }
-# the sweep compiles 32 launches x 2 layouts, the shared-memory ones once per K as well (about 100
-# kernels, the served ones first on 14 processes; stop 60's 48 took 57 s with their timing), and
-# times each at 3 shapes: it gets the most time
-step 220 bash benchmarks/gpu_check.sh gluon
-step 160 env SPEED_ARGS="--kinds int4-interleaved --batches 1" bash benchmarks/gpu_check.sh speed
-step 70 env TESTS_K="gluon_gemv_matches or cuda_graphs or wrong_width" bash benchmarks/gpu_check.sh tests
-left=$((BUDGET - 60 - SECONDS))
-[ $left -gt 30 ] && step $((left < 120 ? left : 120)) bash benchmarks/gpu_check.sh mma
+step 150 bash benchmarks/gpu_check.sh gluon
+step 90 env TESTS_K="gluon_gemv_matches or cuda_graphs" bash benchmarks/gpu_check.sh tests
+step 150 bash benchmarks/gpu_check.sh profile
+left=$((BUDGET - SECONDS))
+[ $left -gt 30 ] && step $((left < 100 ? left : 100)) env SPEED_ARGS="--kinds int4-interleaved --batches 1" bash benchmarks/gpu_check.sh speed
 left=$((BUDGET - SECONDS))
 [ $left -gt 30 ] && step $left bash benchmarks/gpu_check.sh validate
-grep -E "passed|failed|best (half2|fp32)| best: " "$OUT/gpu_check.log" | tail -12
+grep -E "passed|failed|best (half2|fp32)|picks" "$OUT/gpu_check.log" | tail -12

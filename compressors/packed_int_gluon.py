@@ -21,7 +21,11 @@ order regrouped by prmt, once per word column, shared by the thread's rows; in t
 layout those columns are adjacent, so x's own pairs serve as loaded); 4 half2 FMAs; the two
 halves summed in fp32. The 1/32 bounds each half's sum by max|x|, so it cannot overflow; the
 cost is fp16 rounding in 4 products and 3 sums (about 5e-4 relative, the size of the fp16
-output's own rounding). HALF2=0 is the grid GEMV's arithmetic: x widened to fp32 once per word
+output's own rounding). HALF2=2 ("pairs") sums two words' 16 products in half2 before widening,
+decoding to (code - 8) / 64 so each half still stays within max|x|: 2 fewer instructions a word
+(18.6-19.1 against 20.0-21.4 on sm_90), twice the fp16 rounding (5-7e-4 relative in the emulator);
+on an H200 it ran 4-12% faster where the grid is over one wave (14336x4096) and up to 6% slower
+in some launches at 4096 rows (benchmarks/results/gpu_h200.md, stop 69). HALF2=0 is the grid GEMV's arithmetic: x widened to fp32 once per word
 column, each code - 8 decoded in half2 and widened, 8 fp32 FMAs (`_DOT4_PTX`). PREFETCH loads
 the next block's words and scales before this block's arithmetic.
 
@@ -67,6 +71,30 @@ DOT4_HALF2 = gl.constexpr("""{
     .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, c4, a;
     .reg .b16 lo, hi;
     .reg .f32 flo, fhi;""" + _DECODE + HALF2_DOT4 + "}")
+# HALF2=2: two words' 16 products summed in half2 before the halves widen, so the widening, the fp32
+# add and the scale's FMA are paid once per two words (about 2 of a word's 21 instructions). To keep
+# the no-overflow bound with twice the terms, codes decode to (code - 8) / 64: each half sums 8
+# products of at most |x| / 8, so it stays within max|x|. The constants: (1024 + c) / 64 - 16.125 and
+# (1024 + 16 c) / 1024 - 1.125, exact like the /32 pair above.
+_DECODE_64 = _DECODE.replace("0x28002800", "0x24002400").replace("0xd008d008", "0xcc08cc08").replace(
+    "0x18001800", "0x14001400").replace("0xc080c080", "0xbc80bc80")
+DOT8_HALF2 = gl.constexpr("""{
+    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, c4, a;
+    .reg .b16 lo, hi;
+    .reg .f32 flo, fhi;""" + _DECODE_64 + """
+    mul.rn.f16x2 a, h0, $3;
+    fma.rn.f16x2 a, h1, $4, a;
+    fma.rn.f16x2 a, h2, $5, a;
+    fma.rn.f16x2 a, h3, $6, a;""" + _DECODE_64.replace("$1,", "$2,").split("mov.b32 c4, 0xbc80bc80;")[1] + """
+    fma.rn.f16x2 a, h0, $7, a;
+    fma.rn.f16x2 a, h1, $8, a;
+    fma.rn.f16x2 a, h2, $9, a;
+    fma.rn.f16x2 a, h3, $10, a;
+    mov.b32 {lo, hi}, a;
+    cvt.f32.f16 flo, lo;
+    cvt.f32.f16 fhi, hi;
+    add.f32 $0, flo, fhi;
+}""")  # words $1 and $2, their x pairs $3..$6 and $7..$10: the sum of (code - 8) / 64 x over both
 _PREFETCH_L2 = gl.constexpr(PREFETCH_L2)
 # Triton 3.9's names; 3.6's (the GPU images'): thread_barrier, async_copy_global_to_shared
 _block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
@@ -180,6 +208,13 @@ def _widen(p):
 
 
 @gluon.jit
+def _pairs(t):
+    """The elements 2i and 2i + 1 along the second axis of `t`, as two tensors (each thread's own
+    registers: a thread holds runs of 4 words, so no data moves)."""
+    return gl.split(gl.reshape(t, [t.shape[0], t.shape[1] // 2, 2]))
+
+
+@gluon.jit
 def _rows(column, like):
     """A word column's value for every row of the block."""
     return gl.broadcast(gl.expand_dims(column, 0), like)[0]
@@ -205,6 +240,8 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
     rn = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LR)
     xq_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     acc = gl.zeros([BLOCK_N, WORDS], gl.float32, LW)
+    if HALF2 == 2:  # one sum a pair of words
+        acc = _pairs(acc)[0]
     span = K // 8
     w_rows = packed_ptr + gl.expand_dims(rn * stride_pn, 1)
     s_rows = scale_ptr + gl.expand_dims(rn * stride_sn, 1)
@@ -243,8 +280,18 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
             else:  # x regrouped to (x_j, x_j+4) once per word column, shared by the thread's rows
                 q0, q1 = _regroup(a0, a2)
                 q2, q3 = _regroup(a1, a3)
-            dot = gl.inline_asm_elementwise(DOT4_HALF2, "=f,r,r,r,r,r", [w_now, _rows(q0, w_now), _rows(q1, w_now), _rows(q2, w_now), _rows(q3, w_now)],
-                                            dtype=gl.float32, is_pure=True, pack=1)
+            if HALF2 == 2:  # words 2i and 2i + 1 (a thread's, of one group) in one half2 sum
+                w0, w1 = _pairs(w_now)
+                x0, x1 = _pairs(_rows(q0, w_now))
+                x2, x3 = _pairs(_rows(q1, w_now))
+                x4, x5 = _pairs(_rows(q2, w_now))
+                x6, x7 = _pairs(_rows(q3, w_now))
+                s_now = _pairs(s_now)[0]
+                dot = gl.inline_asm_elementwise(DOT8_HALF2, "=f,r,r,r,r,r,r,r,r,r,r", [w0, w1, x0, x2, x4, x6, x1, x3, x5, x7],
+                                                dtype=gl.float32, is_pure=True, pack=1)
+            else:
+                dot = gl.inline_asm_elementwise(DOT4_HALF2, "=f,r,r,r,r,r", [w_now, _rows(q0, w_now), _rows(q1, w_now), _rows(q2, w_now), _rows(q3, w_now)],
+                                                dtype=gl.float32, is_pure=True, pack=1)
         else:  # x widened once per word column
             if INTERLEAVED:  # pair p: (x for code p, for code p + 4)
                 x0, x4 = _widen(a0)
@@ -261,13 +308,15 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
                                              _rows(x5, w_now), _rows(x6, w_now), _rows(x7, w_now)], dtype=gl.float32, is_pure=True, pack=1)
         acc += dot * s_now.to(gl.float32)
     y = gl.sum(acc, axis=1)
-    if HALF2:
+    if HALF2 == 2:
+        y = gl.convert_layout(y, LR) * 64.0  # the decode's 1/64, exact
+    elif HALF2:
         y = y * 32.0  # the decode's 1/32, exact
     gl.store(y_ptr + rn, y.to(gl.float16))
 
 
 class Launch(NamedTuple):
-    half2: int  # 1: half2 products; 0: the grid GEMV's fp32 arithmetic
+    half2: int  # 1: half2 products, widened to fp32 a word; 2: a pair of words (DOT8_HALF2); 0: the grid GEMV's fp32 arithmetic
     rows: int  # a thread's rows
     warps_n: int  # warps along the rows (the rest along the words)
     prefetch: int
@@ -286,7 +335,7 @@ class Launch(NamedTuple):
         return self.vec * 32 * self.warps // self.warps_n
 
     def __str__(self) -> str:
-        return (f"{'half2' if self.half2 else 'fp32'} {self.block_n}x{self.words} ({self.rows} row{'s' if self.rows > 1 else ''} x {self.vec} words "
+        return (f"{('fp32', 'half2', 'half2 pairs')[self.half2]} {self.block_n}x{self.words} ({self.rows} row{'s' if self.rows > 1 else ''} x {self.vec} words "
                 f"a thread), {self.warps} warps" + (", prefetch" if self.prefetch else "") + (", x in shared memory" if self.xsmem else "" if self.xvec else ", x by 4-byte loads")
                 + (f", at most {self.maxnreg} registers" if self.maxnreg else ""))
 
@@ -298,6 +347,8 @@ LAUNCHES = [Launch(*shape) for shape in [
     (1, 2, 4, 1, 1, 4), (1, 1, 4, 1, 1, 4), (1, 2, 8, 1, 1, 8),
     (1, 1, 4, 0, 1, 4, 4, 1), (1, 2, 4, 0, 1, 4, 4, 1), (1, 4, 4, 0, 1, 4, 4, 1, 72), (1, 2, 8, 0, 1, 8, 4, 1), (1, 2, 2, 0, 1, 4, 4, 1),
     (1, 4, 2, 0, 1, 4, 4, 1), (1, 2, 4, 0, 1, 4, 8, 1), (1, 2, 4, 1, 1, 4, 4, 1),
+    (1, 2, 2, 1, 0, 4), (2, 2, 2, 1, 0, 4), (2, 2, 2, 0, 0, 4), (2, 2, 8, 0, 1, 8, 4, 1), (2, 2, 4, 0, 1, 4, 4, 1), (2, 2, 2, 0, 1, 4, 4, 1),
+    (2, 4, 4, 0, 1, 4),
     (0, 1, 4, 0, 1, 4), (0, 2, 4, 0, 1, 4), (0, 4, 4, 0, 1, 4), (0, 1, 8, 0, 1, 8), (0, 2, 8, 0, 1, 8), (0, 1, 4, 0, 1, 4, 8),
 ]]
 
@@ -314,8 +365,8 @@ def run(x, weight, y, launch: Launch):
     return y
 
 
-# The launches `served_launch` times against the grid GEMV: every half2 one (26; a layer shape's
-# first call compiles and times them). Not only those whose loops compiled shortest
+# The launches `served_launch` times against the grid GEMV: every half2 one (33, the pairs among
+# them; a layer shape's first call compiles and times them). Not only those whose loops compiled shortest
 # for sm_90 (no prefetch, 16-byte x loads; benchmarks/results/gemv_gluon_sass.md): on an H200 the
 # fastest interleaved launch at 4096x4096 and 4096x14336 loads x in 4 bytes, and the next one
 # prefetches (benchmarks/results/gpu_h200.md).
@@ -330,10 +381,10 @@ def x_iterations(launch: Launch, columns: int) -> int:
 
 def fits(weight, launch: Launch) -> bool:
     """Whether `launch` computes x @ weight^T: a symmetric 4-bit grid (no codebook, no 2:4) whose
-    groups hold whole words (per-channel too), rows a whole number of the launch's blocks and K
+    groups hold whole words (pairs of words for HALF2=2; per-channel too), rows a whole number of the launch's blocks and K
     of its blocks along K (the kernel has no masks); x in shared memory at most X_SHARED_BYTES."""
     plain = weight.bits == 4 and weight.zero is None and weight.codebook is None and weight.bitmask is None and weight.scale is not None
-    return (plain and weight.group_size % 8 == 0 and weight.columns % weight.group_size == 0 and weight.rows % launch.block_n == 0
+    return (plain and weight.group_size % (16 if launch.half2 == 2 else 8) == 0 and weight.columns % weight.group_size == 0 and weight.rows % launch.block_n == 0
             and weight.columns % (8 * launch.words) == 0 and (not launch.xsmem or weight.columns * 2 <= X_SHARED_BYTES))
 
 
