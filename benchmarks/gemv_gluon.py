@@ -36,7 +36,7 @@ def compiled(launch: Launch, interleaved: int, group: int = 128, columns: int = 
 
     constants = dict(GROUP=group, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
                      WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec, XSMEM=launch.xsmem,
-                     XITERS=x_iterations(launch, columns), **ON_HOPPER)
+                     XITERS=x_iterations(launch, columns), STAGES=launch.stages, **ON_HOPPER)
     return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True, maxnreg=launch.maxnreg or None)
 
 
@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--emulate", action="store_true", help="run each launch's sm_90 PTX on the CPU against the reference; exit 1 if one is off")
     parser.add_argument("--launches", help="with --emulate or --traffic: indices into LAUNCHES (default: all; --traffic: the served ones and the grid GEMV)")
     parser.add_argument("--traffic", action="store_true", help="count what each batch-1 GEMV reads, running its PTX on the CPU")
+    parser.add_argument("--columns", type=int, default=4096, help="with --emulate: the weight's width (wide enough that a ring of words wraps)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_gluon"))
     parser.add_argument("--compile-workers", type=int, default=0, help="compile the served GEMV's launch shapes first in this many processes")
     args = parser.parse_args()
@@ -154,7 +155,7 @@ def main() -> None:
         from benchmarks.kernel_sass import EMULATED_TOLERANCE
 
         chosen = chosen or LAUNCHES
-        results = emulated(chosen)
+        results = emulated(chosen, columns=args.columns)
         (args.out / "gemv_gluon_emulated.json").write_text(json.dumps(results, indent=1))
         off = [r for r in results if not r["rel_error"] <= EMULATED_TOLERANCE["fp16"]]  # NaN is off too
         for arithmetic in ("half2", "fp32"):

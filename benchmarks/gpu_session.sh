@@ -12,8 +12,8 @@
 #   .venv/bin/python benchmarks/gemv_l1_model.py --timings FILES_AT/gluon/gemv_gluon.json --out /tmp/l1
 # where FILES_AT is where the run's files came back.
 #
-# The steps: (1) every Gluon launch timed, the "pairs" launches (HALF2=2, stop 69) beside their
-# twins, and what serving picks per shape; (2) the compiled test of every Gluon launch against the
+# The steps: (1) every Gluon launch timed, the ring launches (`stages`, stop 69, untimed so far) and
+# the pairs (HALF2=2) beside their twins, and what serving picks per shape; (2) the compiled test of every Gluon launch against the
 # reference (and CUDA-graph decoding); (3) Nsight Compute's counters of the fastest launches and
 # cuBLAS fp16 (why the GEMV streams at 2.4-2.6 TB/s where fp16 reaches 4.4); (4) served int4 at
 # batch 1 (kernel_speed.py: bandwidth against the measured read roof); (5) `lmpress validate` on

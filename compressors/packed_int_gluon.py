@@ -27,7 +27,13 @@ decoding to (code - 8) / 64 so each half still stays within max|x|: 2 fewer inst
 on an H200 it ran 4-12% faster where the grid is over one wave (14336x4096) and up to 6% slower
 in some launches at 4096 rows (benchmarks/results/gpu_h200.md, stop 69). HALF2=0 is the grid GEMV's arithmetic: x widened to fp32 once per word
 column, each code - 8 decoded in half2 and widened, 8 fp32 FMAs (`_DOT4_PTX`). PREFETCH loads
-the next block's words and scales before this block's arithmetic.
+the next block's words and scales before this block's arithmetic. STAGES streams the words
+through a ring of tiles in shared memory instead of registers (`_words_ring`: cp.async, STAGES - 1
+tiles ahead, each thread copying the runs it reads back), so the bytes in flight no longer cost
+registers or warps: the structure cuBLAS's fp16 GEMV reaches 80% of DRAM peak with, where the
+register-streamed launches reach 43-49% (benchmarks/results/gpu_h200.md, stop 69). Triton's
+barrier pass puts two barriers an iteration around the ring's slots (the data is each thread's
+own, which the pass cannot see). Untimed on a GPU yet.
 
 No interpreter runs Gluon: the kernel runs only on a GPU, and here through its compiled PTX in
 benchmarks/ptx_emulator.py (`benchmarks/gemv_gluon.py --emulate`, and a test).
@@ -192,6 +198,39 @@ def _x_to_shared(xq_ptr, ITERS: gl.constexpr, TILES: gl.constexpr, WARPS: gl.con
 
 
 @gluon.jit
+def _words_ring(w_rows, ru, span, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, WORDS: gl.constexpr):
+    """A ring of STAGES tiles of words in shared memory, its first STAGES - 1 tiles asked for (one
+    cp.async group each; past the row's `span` words, nothing is read). Each thread copies the
+    16-byte runs it will read itself (the words' own layout), so the bytes in flight sit in
+    shared memory, not in registers: Nsight Compute found the register-streamed launches at 26-29
+    warps an SM and 43-49% of DRAM peak, waiting on memory, where cuBLAS's fp16 GEMV reaches 80%
+    from a shared-memory ring (benchmarks/results/gpu_h200.md)."""
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    for i in gl.static_range(STAGES - 1):
+        _ask_words(ring.index(i), w_rows, ru, i * WORDS, span)
+    return ring
+
+
+@gluon.jit
+def _ask_words(tile, w_rows, ru, u0, span):
+    """The block's words from column u0 on, copied into `tile` (cp.async, 16 bytes a thread and
+    row), as one group; none where u0 is past the row's `span` words (the group is empty)."""
+    words = w_rows + gl.expand_dims(u0 + ru, 0)
+    copy_to_shared(tile, words, mask=gl.full(words.shape, u0, gl.int32, words.type.layout) < span)  # (one value: the runs stay 16-byte copies)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _next_words(ring, w_rows, ru, u0, span, STAGES: gl.constexpr, WORDS: gl.constexpr, LW: gl.constexpr):
+    """The words of the tile at column u0, from the ring, after asking for the tile STAGES - 1 ahead
+    into the slot this thread read last iteration."""
+    i = u0 // WORDS
+    _ask_words(ring.index((i + STAGES - 1) % STAGES), w_rows, ru, gl.multiple_of(u0 + (STAGES - 1) * WORDS, WORDS), span)
+    async_copy.wait_group(STAGES - 1)  # this thread's copies of tile i have landed
+    return ring.index(i % STAGES).load(LW)
+
+
+@gluon.jit
 def _regroup(p, q):
     """Pairs (x_2i, x_2i+1) and (x_2i+4, x_2i+5) -> (x_2i, x_2i+4) and (x_2i+1, x_2i+5), as half2."""
     lo = gl.inline_asm_elementwise(PAIR_LO, "=r,r,r", [p, q], dtype=gl.int32, is_pure=True, pack=1)
@@ -224,7 +263,7 @@ def _rows(column, like):
 def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
                GROUP: gl.constexpr, HALF2: gl.constexpr, ROWS: gl.constexpr, WARPS_N: gl.constexpr, PREFETCH: gl.constexpr,
                XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0, VEC: gl.constexpr = 4, PDL: gl.constexpr = False,
-               XSMEM: gl.constexpr = 0, XITERS: gl.constexpr = 0):
+               XSMEM: gl.constexpr = 0, XITERS: gl.constexpr = 0, STAGES: gl.constexpr = 0):
     # a thread: ROWS rows x runs of 4 consecutive words (a 16-byte load a row); a warp: 32 threads along
     # the words; warps over rows x words. The block is VEC // 4 such tiles along the words, so with
     # VEC 8 a thread's second run lies a tile's width (128 x warps along K words) after its first:
@@ -247,7 +286,10 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
     s_rows = scale_ptr + gl.expand_dims(rn * stride_sn, 1)
     ru = gl.arange(0, WORDS, layout=LU)
     if PDL:  # where x is copied to shared memory first, a block's first loads of words wait for it: more words to L2 while it flies
-        _await_inputs(packed_ptr, scale_ptr, gl.program_id(0), stride_pn, stride_sn, span, ROWS, WARPS_N, WARPS, VEC, 3 if XSMEM else 1)
+        _await_inputs(packed_ptr, scale_ptr, gl.program_id(0), stride_pn, stride_sn, span, ROWS, WARPS_N, WARPS, VEC,
+                      STAGES - 1 if STAGES else 3 if XSMEM else 1)
+    if STAGES:  # the words stream through a ring of STAGES tiles in shared memory: the first STAGES - 1 asked for now
+        ring = _words_ring(w_rows, ru, span, STAGES, BLOCK_N, WORDS)
     # a thread's tiles of x (16 pairs: 4 units' x) in shared memory, read as [16, tiles]: lanes and warps
     # laid out as LW's along the words (so the pairs reach LU in each thread's registers, not through shared memory)
     LT: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
@@ -263,7 +305,10 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
         _block_barrier()  # here, once: left to Triton's membar pass, the barrier lands inside the loop that reads x
     for u0 in range(0, span, WORDS):
         units = u0 + ru
-        if PREFETCH:  # this block's words came last iteration; the next block's load now (the last block re-reads itself)
+        if STAGES:
+            w_now = _next_words(ring, w_rows, ru, u0, span, STAGES, WORDS, LW)
+            s_now = gl.load(s_rows + gl.expand_dims(units // (GROUP // 8), 0))
+        elif PREFETCH:  # this block's words came last iteration; the next block's load now (the last block re-reads itself)
             w_now = w
             s_now = s
             following = gl.expand_dims(gl.multiple_of(gl.minimum(u0 + WORDS, span - WORDS), WORDS) + ru, 0)
@@ -307,6 +352,8 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
                                             [w_now, _rows(x0, w_now), _rows(x1, w_now), _rows(x2, w_now), _rows(x3, w_now), _rows(x4, w_now),
                                              _rows(x5, w_now), _rows(x6, w_now), _rows(x7, w_now)], dtype=gl.float32, is_pure=True, pack=1)
         acc += dot * s_now.to(gl.float32)
+    if STAGES:  # the loop's last asks (zero-fills past the row) still write the ring, whose memory the sum across warps may reuse
+        async_copy.wait_group(0)
     y = gl.sum(acc, axis=1)
     if HALF2 == 2:
         y = gl.convert_layout(y, LR) * 64.0  # the decode's 1/64, exact
@@ -325,6 +372,7 @@ class Launch(NamedTuple):
     vec: int = 4  # a thread's words a row: runs of 4 consecutive words (8: two runs, a warp's runs apart)
     xsmem: int = 0  # all of x in shared memory, loaded once per block (`_x_to_shared`; xvec is then moot)
     maxnreg: int = 0  # registers a thread at most (0: as ptxas allocates), where fewer fit another block on each SM
+    stages: int = 0  # the words through a ring of this many tiles in shared memory (`_words_ring`; 0: loaded into registers); at most 32 KiB in LAUNCHES
 
     @property
     def block_n(self) -> int:
@@ -337,7 +385,7 @@ class Launch(NamedTuple):
     def __str__(self) -> str:
         return (f"{('fp32', 'half2', 'half2 pairs')[self.half2]} {self.block_n}x{self.words} ({self.rows} row{'s' if self.rows > 1 else ''} x {self.vec} words "
                 f"a thread), {self.warps} warps" + (", prefetch" if self.prefetch else "") + (", x in shared memory" if self.xsmem else "" if self.xvec else ", x by 4-byte loads")
-                + (f", at most {self.maxnreg} registers" if self.maxnreg else ""))
+                + (f", at most {self.maxnreg} registers" if self.maxnreg else "") + (f", {self.stages}-stage ring" if self.stages else ""))
 
 
 LAUNCHES = [Launch(*shape) for shape in [
@@ -349,6 +397,8 @@ LAUNCHES = [Launch(*shape) for shape in [
     (1, 4, 2, 0, 1, 4, 4, 1), (1, 2, 4, 0, 1, 4, 8, 1), (1, 2, 4, 1, 1, 4, 4, 1),
     (1, 2, 2, 1, 0, 4), (2, 2, 2, 1, 0, 4), (2, 2, 2, 0, 0, 4), (2, 2, 8, 0, 1, 8, 4, 1), (2, 2, 4, 0, 1, 4, 4, 1), (2, 2, 2, 0, 1, 4, 4, 1),
     (2, 4, 4, 0, 1, 4),
+    (1, 2, 2, 0, 0, 4, 4, 0, 0, 4), (2, 2, 2, 0, 0, 4, 4, 0, 0, 4), (1, 2, 2, 0, 0, 4, 4, 0, 0, 8), (1, 2, 2, 0, 1, 4, 4, 1, 0, 4),
+    (2, 2, 4, 0, 1, 4, 4, 1, 0, 4), (2, 2, 8, 0, 1, 8, 4, 1, 0, 4), (2, 4, 4, 0, 1, 4, 4, 0, 0, 3),
     (0, 1, 4, 0, 1, 4), (0, 2, 4, 0, 1, 4), (0, 4, 4, 0, 1, 4), (0, 1, 8, 0, 1, 8), (0, 2, 8, 0, 1, 8), (0, 1, 4, 0, 1, 4, 8),
 ]]
 
@@ -360,13 +410,13 @@ def run(x, weight, y, launch: Launch):
                                                  weight.scale.stride(0), GROUP=weight.group_size, HALF2=launch.half2, ROWS=launch.rows,
                                                  WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec, WARPS=launch.warps,
                                                  INTERLEAVED=int(weight.interleaved), VEC=launch.vec, XSMEM=launch.xsmem,
-                                                 XITERS=x_iterations(launch, weight.columns), num_warps=launch.warps,
+                                                 XITERS=x_iterations(launch, weight.columns), STAGES=launch.stages, num_warps=launch.warps,
                                                  **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}), **pdl_launch(x.device))
     return y
 
 
-# The launches `served_launch` times against the grid GEMV: every half2 one (33, the pairs among
-# them; a layer shape's first call compiles and times them). Not only those whose loops compiled shortest
+# The launches `served_launch` times against the grid GEMV: every half2 one (40, the pairs and
+# the rings among them; a layer shape's first call compiles and times them). Not only those whose loops compiled shortest
 # for sm_90 (no prefetch, 16-byte x loads; benchmarks/results/gemv_gluon_sass.md): on an H200 the
 # fastest interleaved launch at 4096x4096 and 4096x14336 loads x in 4 bytes, and the next one
 # prefetches (benchmarks/results/gpu_h200.md).
