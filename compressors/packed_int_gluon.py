@@ -63,20 +63,25 @@ _DECODE = """
     fma.rn.f16x2 h2, h2, c1, c2;
     fma.rn.f16x2 h3, h3, c3, c4;
 """  # (1024 + c) / 32 - 32.25 and (1024 + 16 c) / 512 - 2.25: (c - 8) / 32, pairs (c_j, c_j+4) in h_j
-HALF2_DOT4 = """
-    mul.rn.f16x2 a, h0, $2;
-    fma.rn.f16x2 a, h1, $3, a;
-    fma.rn.f16x2 a, h2, $4, a;
-    fma.rn.f16x2 a, h3, $5, a;
-    mov.b32 {lo, hi}, a;
+_REGISTERS = """
+    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, c4, a;
+    .reg .b16 lo, hi;
+    .reg .f32 flo, fhi;"""
+
+
+def _products(first_x: int, fresh: bool) -> str:
+    """PTX: decoded pairs h0..h3 times x pairs $first_x.. $first_x+3, summed in half2 into a (a new
+    sum where `fresh`)."""
+    start = f"    mul.rn.f16x2 a, h0, ${first_x};\n" if fresh else f"    fma.rn.f16x2 a, h0, ${first_x}, a;\n"
+    return start + "".join(f"    fma.rn.f16x2 a, h{j}, ${first_x + j}, a;\n" for j in (1, 2, 3))
+
+
+_HALVES_ADDED = """    mov.b32 {lo, hi}, a;
     cvt.f32.f16 flo, lo;
     cvt.f32.f16 fhi, hi;
     add.f32 $0, flo, fhi;
-"""  # decoded pairs h0..h3 times x pairs $2..$5, summed in half2, the halves added in fp32
-DOT4_HALF2 = gl.constexpr("""{
-    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, c4, a;
-    .reg .b16 lo, hi;
-    .reg .f32 flo, fhi;""" + _DECODE + HALF2_DOT4 + "}")
+"""  # the half2 sum's two halves added in fp32
+DOT4_HALF2 = gl.constexpr("{" + _REGISTERS + _DECODE + _products(2, True) + _HALVES_ADDED + "}")  # word $1, x pairs $2..$5
 # HALF2=2: two words' 16 products summed in half2 before the halves widen, so the widening, the fp32
 # add and the scale's FMA are paid once per two words (about 2 of a word's 21 instructions). To keep
 # the no-overflow bound with twice the terms, codes decode to (code - 8) / 64: each half sums 8
@@ -84,23 +89,8 @@ DOT4_HALF2 = gl.constexpr("""{
 # (1024 + 16 c) / 1024 - 1.125, exact like the /32 pair above.
 _DECODE_64 = _DECODE.replace("0x28002800", "0x24002400").replace("0xd008d008", "0xcc08cc08").replace(
     "0x18001800", "0x14001400").replace("0xc080c080", "0xbc80bc80")
-DOT8_HALF2 = gl.constexpr("""{
-    .reg .b32 t, h0, h1, h2, h3, c1, c2, c3, c4, a;
-    .reg .b16 lo, hi;
-    .reg .f32 flo, fhi;""" + _DECODE_64 + """
-    mul.rn.f16x2 a, h0, $3;
-    fma.rn.f16x2 a, h1, $4, a;
-    fma.rn.f16x2 a, h2, $5, a;
-    fma.rn.f16x2 a, h3, $6, a;""" + _DECODE_64.replace("$1,", "$2,").split("mov.b32 c4, 0xbc80bc80;")[1] + """
-    fma.rn.f16x2 a, h0, $7, a;
-    fma.rn.f16x2 a, h1, $8, a;
-    fma.rn.f16x2 a, h2, $9, a;
-    fma.rn.f16x2 a, h3, $10, a;
-    mov.b32 {lo, hi}, a;
-    cvt.f32.f16 flo, lo;
-    cvt.f32.f16 fhi, hi;
-    add.f32 $0, flo, fhi;
-}""")  # words $1 and $2, their x pairs $3..$6 and $7..$10: the sum of (code - 8) / 64 x over both
+DOT8_HALF2 = gl.constexpr("{" + _REGISTERS + _DECODE_64 + _products(3, True) + _DECODE_64.replace("$1,", "$2,").split("0xbc80bc80;")[1]
+                          + _products(7, False) + _HALVES_ADDED + "}")  # words $1 and $2, x pairs $3..$6 and $7..$10: sum of (code - 8) / 64 x
 _PREFETCH_L2 = gl.constexpr(PREFETCH_L2)
 # Triton 3.9's names; 3.6's (the GPU images'): thread_barrier, async_copy_global_to_shared
 _block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
