@@ -5,17 +5,18 @@
 #   bash benchmarks/gpu_wheels.sh                                        # into .whl/ (the image's transformers breaks graph capture)
 #   .venv/bin/python benchmarks/artifact_slice.py artifacts/quantized .gpu/quantized --layers 0
 #   .venv/bin/python benchmarks/artifact_slice.py artifacts/quantized-searched .gpu/quantized-searched --layers 0
-#   echo /.gpu/ >> .git/info/exclude
-# then call the device tool's run with carry [".gpu", ".whl"], timeout_s 580 and the command
-#   OUT=$OUT bash benchmarks/gpu_session.sh
-# and give the machine back. Afterwards, here: refit the L1 wavefront model on the new sweep,
+#   echo /.gpu/ >> .git/info/exclude; echo /.whl/ >> .git/info/exclude
+# then call the device tool's run with carry [".gpu", ".whl"] and the command
+#   OUT=$OUT BUDGET=430 bash benchmarks/gpu_session.sh        (timeout_s 470)
+# and give the machine back at once. In stop 69 a machine started in about 30 s and this session
+# ran in 281 s, so a second call fits the 15 minutes: keep BUDGET low enough to leave one. Afterwards, here: refit the L1 wavefront model on the new sweep,
 #   .venv/bin/python benchmarks/gemv_l1_model.py --timings FILES_AT/gluon/gemv_gluon.json --out /tmp/l1
 # where FILES_AT is where the run's files came back.
 #
 # The steps: (1) every Gluon launch timed, the ring launches (`stages`, stop 69, untimed so far) and
 # the pairs (HALF2=2) beside their twins, and what serving picks per shape; (2) the compiled test of every Gluon launch against the
-# reference (and CUDA-graph decoding); (3) Nsight Compute's counters of the fastest launches and
-# cuBLAS fp16 (why the GEMV streams at 2.4-2.6 TB/s where fp16 reaches 4.4); (4) served int4 at
+# reference (and CUDA-graph decoding); (3) Nsight Compute's counters of the fastest launches, two rings
+# and cuBLAS fp16 (do the rings stream above the 43-49% of DRAM peak the register-streamed launches reach?); (4) served int4 at
 # batch 1 (kernel_speed.py: bandwidth against the measured read roof); (5) `lmpress validate` on
 # the slices, with whatever time is left.
 set -u
