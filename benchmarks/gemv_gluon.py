@@ -26,7 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if {"--sass", "--emulate", "--traffic"} & set(sys.argv):  # compile for sm_90, not interpret: set before triton is imported
     os.environ["TRITON_INTERPRET"] = "0"
 
-from compressors.packed_int_gluon import LAUNCHES, Launch, gemv_gluon, run, x_iterations  # noqa: E402
+from compressors.packed_int_gluon import LAUNCHES, Launch, gemv_gluon, grid, iterations, run  # noqa: E402
+
+EMULATED_SMS = 1  # the emulated GPU's multiprocessors: a persistent launch's programs each take several blocks of rows
+WEIGHT_ARRAYS = (1, 2)  # the words and scales (after x): no kernel before a GEMV writes them, so it may read them before its wait
 
 
 def compiled(launch: Launch, interleaved: int, group: int = 128, columns: int = 4096):
@@ -36,7 +39,7 @@ def compiled(launch: Launch, interleaved: int, group: int = 128, columns: int = 
 
     constants = dict(GROUP=group, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
                      WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec, XSMEM=launch.xsmem,
-                     XITERS=x_iterations(launch, columns), STAGES=launch.stages, **ON_HOPPER)
+                     ITERS=iterations(launch, columns), STAGES=launch.stages, **ON_HOPPER)
     return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True, maxnreg=launch.maxnreg or None)
 
 
@@ -78,8 +81,9 @@ def emulated(launches: list[Launch], rows: int = 32, columns: int = 4096) -> lis
         stored = weight.interleave() if interleaved else weight
         for launch in launches:
             y = np.full(rows, np.nan, np.float16)  # rows a launch leaves unwritten show as NaN error
-            emulate(compiled(launch, interleaved, stored.group_size, columns).asm["ptx"], (rows // launch.block_n,),
-                    [x.numpy(), stored.packed.numpy(), stored.scale.numpy(), y, rows, columns, stored.packed.stride(0), stored.scale.stride(0)])
+            emulate(compiled(launch, interleaved, stored.group_size, columns).asm["ptx"], grid(launch, rows, EMULATED_SMS),
+                    [x.numpy(), stored.packed.numpy(), stored.scale.numpy(), y, rows, columns, stored.packed.stride(0), stored.scale.stride(0)],
+                    read_only=WEIGHT_ARRAYS)
             error = ((torch.from_numpy(y).float() - reference).norm() / reference.norm()).item()
             results.append(dict(launch=str(launch), layout="interleaved" if interleaved else "unit order", group=group or "per channel", rel_error=error))
             print(json.dumps(results[-1]), flush=True)
@@ -110,7 +114,7 @@ def traffic(launches: list[Launch] | None = None, rows: int = 64, columns: int =
     needed = weight.packed.numel() * 4 + weight.scale.numel() * 2  # bytes the weight is: read once, at best
     kernels = []  # (name, ptx, grid, arguments); both kernels take x, then the words, then the scales
     for launch in launches or SERVED:
-        kernels.append((f"Gluon {launch}", compiled(launch, int(interleaved), columns=columns).asm["ptx"], (rows // launch.block_n,),
+        kernels.append((f"Gluon {launch}", compiled(launch, int(interleaved), columns=columns).asm["ptx"], grid(launch, rows, EMULATED_SMS),
                         [x.numpy(), weight.packed.numpy(), weight.scale.numpy(), np.zeros(rows, np.float16), rows, columns,
                          weight.packed.stride(0), weight.scale.stride(0)]))
     _, tensors, strides, flags = weight._launch
@@ -125,8 +129,8 @@ def traffic(launches: list[Launch] | None = None, rows: int = 64, columns: int =
         kernels.append((f"grid GEMV {shape}, {config.num_warps} warps", ptx, (rows // config.kwargs["BLOCK_N"], 1),
                         [x.numpy(), *(t.numpy() for t in tensors), np.zeros(rows, np.float16), rows, columns, *strides]))
     results = []
-    for name, ptx, grid, args in kernels:
-        row = {"kernel": name, **reads_per_byte(ptx, grid, args, ("x", "words", "scales"), needed)}
+    for name, ptx, programs, args in kernels:
+        row = {"kernel": name, **reads_per_byte(ptx, programs, args, ("x", "words", "scales"), needed, read_only=WEIGHT_ARRAYS)}
         results.append(row)
         print(json.dumps(row), flush=True)
     return results

@@ -122,8 +122,9 @@ def opcodes(machine_code: str) -> collections.Counter:
 
 
 def loop_body(machine_code: str, executed: bool = False) -> list[str]:
-    """The full opcodes (LDG.E.128, not LDG) of the longest loop: the instructions between the
-    target of a backward branch and the branch, which in these kernels is the loop over K. With
+    """The full opcodes (LDG.E.128, not LDG) of the longest innermost loop: the instructions
+    between the target of a backward branch and the branch, holding no other such loop, which in
+    these kernels is the loop over K (a persistent GEMV's loop over its blocks of rows holds it). With
     `executed`, without those under the never-true predicate `@!PT` (the `@!PT LDS RZ, [RZ]`
     ptxas pads cp.async copies with)."""
     lines = [(int(address, 16), op, rest) for address, guard, op, rest in
@@ -136,7 +137,8 @@ def loop_body(machine_code: str, executed: bool = False) -> list[str]:
             spans.append((int(target.group(1), 16), address))
     if not spans:
         return []
-    start, end = max(spans, key=lambda span: span[1] - span[0])
+    innermost = [(start, end) for start, end in spans if not any(start <= s and e <= end and (s, e) != (start, end) for s, e in spans)]
+    start, end = max(innermost, key=lambda span: span[1] - span[0])
     return [op for address, op, _ in lines if start <= address <= end]
 
 

@@ -15,7 +15,8 @@ as the last, never-waited copies of a ring are when the loop ends). A kernel tha
 the kernel before it (`griddepcontrol.wait`: launched as a programmatic dependent, it may start
 while that one still runs) may only prefetch before the wait: a global load, store, atomic or
 copy ahead of it raises, since on a GPU it could read x before it is written or write y while
-it is read. Instruction semantics follow
+it is read, but a read of an array the launch names read-only (a model's weights, which no
+kernel before writes). Instruction semantics follow
 NVIDIA's PTX ISA. Rounding: fp16 results are rounded once from the float64 value (exact for
 fp16 products and sums of nearby magnitude), fp32 fma likewise from float64 (double rounding is
 possible only when the product's low bits straddle a tie: rare, and far inside any tolerance a
@@ -263,8 +264,9 @@ class Block:
     """One thread block's threads in lockstep."""
 
     def __init__(self, threads: int, memory: Memory | None = None, params: dict[str, int] | None = None, block: tuple[int, ...] = (0,),
-                 grid: tuple[int, ...] = (1,), shared_bytes: int = 0):
+                 grid: tuple[int, ...] = (1,), shared_bytes: int = 0, read_only: tuple[int, ...] = ()):
         self.threads, self.memory, self.params = threads, memory, params or {}
+        self.read_only = set(read_only)  # indices of the memory's arrays no kernel before writes: readable before griddepcontrol.wait
         self.regs: dict[str, np.ndarray] = {}
         self.everyone = np.ones(threads, bool)  # an instruction's threads when it has no guard
         self.everyone.flags.writeable = False
@@ -318,6 +320,12 @@ class Block:
         base, _, offset = inside.partition("+")
         return self.value(base) + np.uint64((int(offset, 0) if offset else 0) % (1 << 64))  # wraps modulo 2^64, as the address does
 
+    def _reads_only(self, operand: str, active: np.ndarray | None) -> bool:
+        """Whether every active thread's address of `operand` lies in a read-only array."""
+        address = self.address(operand)
+        arrays = self.memory._located(address if active is None else address[active])[1]
+        return set(arrays.tolist()) <= self.read_only
+
     def execute(self, body: str) -> None:
         self.awaiting = "griddepcontrol.wait" in body
         statements, labels = _program(body)
@@ -352,7 +360,8 @@ class Block:
             self.awaiting = self.awaiting and parts[1] != "wait"
             return
         copy = name == "cp" and "prefetch" not in parts and not {"commit_group", "wait_group", "wait_all"} & set(parts)
-        if self.awaiting and (copy or name in ("red", "atom") or name in ("ld", "st") and parts[1] == "global"):
+        if self.awaiting and (copy or name in ("red", "atom") or name in ("ld", "st") and parts[1] == "global") and not (
+                (copy or name == "ld") and self._reads_only(ops[1], active)):
             raise MemoryError(f"{opcode} before griddepcontrol.wait: the kernel before may not have written its input, or may still read its output")
         if opcode == "cp.async.commit_group":
             self.committed.append(self.copying)
@@ -692,12 +701,13 @@ def run(asm: str, constraints: str, inputs: list[int | float]) -> list[int | flo
     return [reader[kind](block.regs[f"${i}"]) for i, kind in enumerate(outputs)]
 
 
-def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffic: dict | None = None) -> None:
+def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffic: dict | None = None, read_only: tuple[int, ...] = ()) -> None:
     """A compiled kernel's every block (`grid`: blocks along x, y, z), one after another, on `args` (numpy arrays for its
     pointers, written back in place; ints for its integers) in its parameter order. Parameters
     past `args` (Triton's scratch pointers) are null. With a `traffic` dict, its global reads
     are counted into it, by the index of the array among `args`' arrays (`Memory.count`; the
-    distinct sectors as bytes)."""
+    distinct sectors as bytes). `read_only`: indices of those arrays no kernel before this one
+    writes, which it may read before its griddepcontrol.wait."""
     entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", ptx)
     names = re.findall(r"\.param\s+[^\n]*?(\w+_param_\d+)", entry.group(2))
     threads = int(re.search(r"\.reqntid\s+(\d+)", ptx).group(1))
@@ -713,14 +723,15 @@ def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffi
     params = {name: values[i] if i < len(values) else 0 for i, name in enumerate(names)}
     for block in itertools.product(*(range(n) for n in grid)):
         # Triton's shared memory is `extern` (sized at launch): give the most a block may have on sm_90
-        Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0).execute(body)
+        Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0, read_only=read_only).execute(body)
     memory.read_back(arrays)
     for entry in (traffic or {}).values():
         if "distinct" in entry:
             entry["distinct"] = 32 * len(entry["distinct"])
 
 
-def reads_per_byte(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], arrays: tuple[str, ...], needed: int) -> dict:
+def reads_per_byte(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], arrays: tuple[str, ...], needed: int,
+                   read_only: tuple[int, ...] = ()) -> dict:
     """`launch` with its reads counted, per array (`arrays` names the first arrays of `args`, in
     order): bytes asked for, 32-byte sectors the warps' accesses touch and distinct sectors,
     each per byte of `needed` (what the kernel must read at best), and the share of each
@@ -728,7 +739,7 @@ def reads_per_byte(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int]
     takes one per 128-byte line it touches, each shared load as many as its bank conflicts make
     (`Memory.count_banks`; under "shared")."""
     counted: dict = {}
-    launch(ptx, grid, args, traffic=counted)
+    launch(ptx, grid, args, traffic=counted, read_only=read_only)
     report = {}
     for index, name in enumerate(arrays):
         entry = counted.get(index, {"requested": 0, "sectors": 0, "lines": 0, "distinct": 0})

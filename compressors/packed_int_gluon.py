@@ -31,9 +31,13 @@ the next block's words and scales before this block's arithmetic. STAGES streams
 through a ring of tiles in shared memory instead of registers (`_words_ring`: cp.async, STAGES - 1
 tiles ahead, each thread copying the runs it reads back), so the bytes in flight no longer cost
 registers or warps: the structure cuBLAS's fp16 GEMV reaches 80% of DRAM peak with, where the
-register-streamed launches reach 43-49% (benchmarks/results/gpu_h200.md, stop 69). Triton's
-barrier pass puts two barriers an iteration around the ring's slots (the data is each thread's
-own, which the pass cannot see). Untimed on a GPU yet.
+register-streamed launches reach 43-49% (benchmarks/results/gpu_h200.md, stop 69); each ask
+also sends the tile's scales to L2, so their load in the loop does not wait on device memory,
+and the first asks go out before the wait for the kernel ahead. A persistent launch (`persist`:
+a few programs an SM) streams every block of rows it takes through one ring, asking for its
+next block's first words while it sums this one's last, and copies x once for all of them.
+Triton's barrier pass puts two barriers an iteration around the ring's slots (the data is each
+thread's own, which the pass cannot see). Untimed on a GPU yet.
 
 No interpreter runs Gluon: the kernel runs only on a GPU, and here through its compiled PTX in
 benchmarks/ptx_emulator.py (`benchmarks/gemv_gluon.py --emulate`, and a test).
@@ -41,6 +45,7 @@ benchmarks/ptx_emulator.py (`benchmarks/gemv_gluon.py --emulate`, and a test).
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import NamedTuple
@@ -188,36 +193,47 @@ def _x_to_shared(xq_ptr, ITERS: gl.constexpr, TILES: gl.constexpr, WARPS: gl.con
 
 
 @gluon.jit
-def _words_ring(w_rows, ru, span, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, WORDS: gl.constexpr):
+def _words_ring(words_at, scales_at, stride_pn, stride_sn, first, programs, tiles, BLOCK_N: gl.constexpr, WORDS: gl.constexpr,
+                STAGES: gl.constexpr, ITERS: gl.constexpr, GROUP: gl.constexpr):
     """A ring of STAGES tiles of words in shared memory, its first STAGES - 1 tiles asked for (one
-    cp.async group each; past the row's `span` words, nothing is read). Each thread copies the
-    16-byte runs it will read itself (the words' own layout), so the bytes in flight sit in
-    shared memory, not in registers: Nsight Compute found the register-streamed launches at 26-29
-    warps an SM and 43-49% of DRAM peak, waiting on memory, where cuBLAS's fp16 GEMV reaches 80%
-    from a shared-memory ring (benchmarks/results/gpu_h200.md)."""
+    cp.async group each). Each thread copies the 16-byte runs it will read itself (the words' own
+    layout), so the bytes in flight sit in shared memory, not in registers: Nsight Compute found
+    the register-streamed launches at 26-29 warps an SM and 43-49% of DRAM peak, waiting on
+    memory, where cuBLAS's fp16 GEMV reaches 80% from a shared-memory ring
+    (benchmarks/results/gpu_h200.md)."""
     ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     for i in gl.static_range(STAGES - 1):
-        _ask_words(ring.index(i), w_rows, ru, i * WORDS, span)
+        _ask_words(ring.index(i), words_at, scales_at, stride_pn, stride_sn, i, first, programs, tiles, BLOCK_N, WORDS, ITERS, GROUP)
     return ring
 
 
 @gluon.jit
-def _ask_words(tile, w_rows, ru, u0, span):
-    """The block's words from column u0 on, copied into `tile` (cp.async, 16 bytes a thread and
-    row), as one group; none where u0 is past the row's `span` words (the group is empty)."""
-    words = w_rows + gl.expand_dims(u0 + ru, 0)
-    copy_to_shared(tile, words, mask=gl.full(words.shape, u0, gl.int32, words.type.layout) < span)  # (one value: the runs stay 16-byte copies)
+def _ask_words(tile, words_at, scales_at, stride_pn, stride_sn, j, first, programs, tiles, BLOCK_N: gl.constexpr, WORDS: gl.constexpr,
+               ITERS: gl.constexpr, GROUP: gl.constexpr):
+    """Tile j of this program's words copied into `tile` (cp.async, 16 bytes a thread and row), as
+    one group, and their scales asked into L2, so the loop's load of them STAGES - 1 tiles on does
+    not wait on device memory. A program's tiles run along its blocks of rows in turn (blocks
+    first, first + programs, ..., ITERS tiles each), so one ring streams on across them. words_at
+    and scales_at: each thread's runs and their scales in tile 0 of block 0; a tile adds one
+    offset, the same for every thread. Past the program's last tile (`tiles`) the group is empty,
+    and the addresses stay those of the last."""
+    asked = gl.minimum(j, tiles - 1)
+    row = (first + asked // ITERS * programs) * BLOCK_N
+    u0 = asked % ITERS * WORDS
+    copy_to_shared(tile, words_at + (row * stride_pn + u0), mask=gl.full(words_at.shape, j, gl.int32, words_at.type.layout) < tiles)  # (one value: the runs stay 16-byte copies)
     async_copy.commit_group()
+    gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [scales_at + (row * stride_sn + u0 // (GROUP // 8))], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
-def _next_words(ring, w_rows, ru, u0, span, STAGES: gl.constexpr, WORDS: gl.constexpr, LW: gl.constexpr):
-    """The words of the tile at column u0, from the ring, after asking for the tile STAGES - 1 ahead
+def _next_words(ring, words_at, scales_at, stride_pn, stride_sn, j, first, programs, tiles, LW: gl.constexpr, BLOCK_N: gl.constexpr,
+                WORDS: gl.constexpr, STAGES: gl.constexpr, ITERS: gl.constexpr, GROUP: gl.constexpr):
+    """This program's tile j of words, from the ring, after asking for its tile STAGES - 1 ahead
     into the slot this thread read last iteration."""
-    i = u0 // WORDS
-    _ask_words(ring.index((i + STAGES - 1) % STAGES), w_rows, ru, gl.multiple_of(u0 + (STAGES - 1) * WORDS, WORDS), span)
-    async_copy.wait_group(STAGES - 1)  # this thread's copies of tile i have landed
-    return ring.index(i % STAGES).load(LW)
+    _ask_words(ring.index((j + STAGES - 1) % STAGES), words_at, scales_at, stride_pn, stride_sn, j + STAGES - 1, first, programs, tiles,
+               BLOCK_N, WORDS, ITERS, GROUP)
+    async_copy.wait_group(STAGES - 1)  # this thread's copies of tile j have landed
+    return ring.index(j % STAGES).load(LW)
 
 
 @gluon.jit
@@ -253,50 +269,89 @@ def _rows(column, like):
 def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
                GROUP: gl.constexpr, HALF2: gl.constexpr, ROWS: gl.constexpr, WARPS_N: gl.constexpr, PREFETCH: gl.constexpr,
                XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0, VEC: gl.constexpr = 4, PDL: gl.constexpr = False,
-               XSMEM: gl.constexpr = 0, XITERS: gl.constexpr = 0, STAGES: gl.constexpr = 0):
+               XSMEM: gl.constexpr = 0, ITERS: gl.constexpr = 0, STAGES: gl.constexpr = 0):
     # a thread: ROWS rows x runs of 4 consecutive words (a 16-byte load a row); a warp: 32 threads along
     # the words; warps over rows x words. The block is VEC // 4 such tiles along the words, so with
     # VEC 8 a thread's second run lies a tile's width (128 x warps along K words) after its first:
     # each warp load then reads 512 contiguous bytes (8 consecutive words a thread would touch each
     # sector in two loads, half of it each time)
     LW: gl.constexpr = gl.BlockedLayout([ROWS, 4], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
+    BLOCK_N: gl.constexpr = ROWS * WARPS_N
+    WORDS: gl.constexpr = VEC * 32 * (WARPS // WARPS_N)
+    LF: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])  # a thread's rows, at its runs' first words
+    first = gl.program_id(0)
+    xq_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    span = K // 8
+    if STAGES:  # a ring's first asks go out before the wait for the kernel ahead (serving never writes words or scales)
+        programs = gl.num_programs(0)  # the grid may be smaller than the blocks of rows (`Launch.persist`): a program takes every programs-th
+        tiles = (N // BLOCK_N - first + programs - 1) // programs * ITERS
+        rf = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LF))
+        runs = gl.arange(0, WORDS // 4, layout=gl.SliceLayout(0, LF)) * 4  # each thread's runs' first words (a word's scale is its run's)
+        words_at = packed_ptr + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW)) * stride_pn, 1) + gl.expand_dims(
+            gl.arange(0, WORDS, layout=gl.SliceLayout(0, LW)), 0)
+        scales_at = scale_ptr + gl.expand_dims(rf * stride_sn, 1) + gl.expand_dims(runs // (GROUP // 8), 0)  # (GROUP // 8 divides WORDS, or is K // 8)
+        ring = _words_ring(words_at, scales_at, stride_pn, stride_sn, first, programs, tiles, BLOCK_N, WORDS, STAGES, ITERS, GROUP)
+        if PDL:
+            await_predecessor(WARPS)
+    else:
+        programs = 1
+        tiles = 0
+        ring = xq_ptr  # (unused)
+        words_at = xq_ptr
+        scales_at = xq_ptr
+        if PDL:  # where x is copied to shared memory first, a block's first loads of words wait for it: more words to L2 while it flies
+            _await_inputs(packed_ptr, scale_ptr, first, stride_pn, stride_sn, span, ROWS, WARPS_N, WARPS, VEC, 3 if XSMEM else 1)
+    # a thread's tiles of x (16 pairs: 4 units' x) in shared memory, read as [16, tiles]: lanes and warps
+    # laid out as LW's along the words (so the pairs reach LU in each thread's registers, not through shared memory)
+    if XSMEM:
+        x_shared = _x_to_shared(xq_ptr, ITERS, WORDS // 4, WARPS)
+    else:
+        x_shared = xq_ptr  # (unused)
+    if PREFETCH:
+        ru = gl.arange(0, WORDS, layout=gl.SliceLayout(0, LW))
+        rn = first * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW))
+        w = gl.load(packed_ptr + gl.expand_dims(rn * stride_pn, 1) + gl.expand_dims(ru, 0))
+        s = gl.load(scale_ptr + gl.expand_dims(rn * stride_sn, 1) + gl.expand_dims(ru // (GROUP // 8), 0))
+    else:
+        w = xq_ptr  # (unused)
+        s = xq_ptr
+    if XSMEM:  # x's copies landed (the first words' loads, where prefetched, went out while they flew)
+        async_copy.wait_group(0)
+        _block_barrier()  # here, once: left to Triton's membar pass, the barrier lands inside the loop that reads x
+    if STAGES:
+        for t in range(0, tiles // ITERS):
+            _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_sn, first + t * programs, t * ITERS, first, programs, tiles,
+                          ring, words_at, scales_at, x_shared, w, s, LW, BLOCK_N, WORDS, GROUP, HALF2, PREFETCH, XVEC, WARPS, WARPS_N, INTERLEAVED, XSMEM, ITERS, STAGES)
+        async_copy.wait_group(0)  # the loop's last asks (empty groups) before the ring's memory is let go
+    else:
+        _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_sn, first, 0, first, programs, tiles,
+                      ring, words_at, scales_at, x_shared, w, s, LW, BLOCK_N, WORDS, GROUP, HALF2, PREFETCH, XVEC, WARPS, WARPS_N, INTERLEAVED, XSMEM, ITERS, STAGES)
+
+
+@gluon.jit
+def _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_sn, block, j0, first, programs, tiles, ring, words_at,
+                  scales_at, x_shared, w, s, LW: gl.constexpr, BLOCK_N: gl.constexpr, WORDS: gl.constexpr, GROUP: gl.constexpr, HALF2: gl.constexpr, PREFETCH: gl.constexpr, XVEC: gl.constexpr,
+                  WARPS: gl.constexpr, WARPS_N: gl.constexpr, INTERLEAVED: gl.constexpr, XSMEM: gl.constexpr, ITERS: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """y for one block of rows: its words (from the ring from this program's tile j0 on, or loaded,
+    the first iteration's already in w and s where PREFETCH) times x, summed along K."""
     # x pairs [units, 4]: a run's 4 units x 4 pairs, contiguous along the pairs (unit order) or along the units (interleaved)
     LX: gl.constexpr = gl.BlockedLayout([4, 4], [32, 1], [WARPS // WARPS_N, WARPS_N], [0, 1] if INTERLEAVED else [1, 0])
     LR: gl.constexpr = gl.SliceLayout(1, LW)
     LU: gl.constexpr = gl.SliceLayout(0, LW)
-    BLOCK_N: gl.constexpr = ROWS * WARPS_N
-    WORDS: gl.constexpr = VEC * 32 * (WARPS // WARPS_N)
-    rn = gl.program_id(0) * BLOCK_N + gl.arange(0, BLOCK_N, layout=LR)
-    xq_ptr = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    LT: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
+    rn = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=LR)
     acc = gl.zeros([BLOCK_N, WORDS], gl.float32, LW)
     if HALF2 == 2:  # one sum a pair of words
         acc = _pairs(acc)[0]
-    span = K // 8
     w_rows = packed_ptr + gl.expand_dims(rn * stride_pn, 1)
     s_rows = scale_ptr + gl.expand_dims(rn * stride_sn, 1)
     ru = gl.arange(0, WORDS, layout=LU)
-    if PDL:  # where x is copied to shared memory first, a block's first loads of words wait for it: more words to L2 while it flies
-        _await_inputs(packed_ptr, scale_ptr, gl.program_id(0), stride_pn, stride_sn, span, ROWS, WARPS_N, WARPS, VEC,
-                      STAGES - 1 if STAGES else 3 if XSMEM else 1)
-    if STAGES:  # the words stream through a ring of STAGES tiles in shared memory: the first STAGES - 1 asked for now
-        ring = _words_ring(w_rows, ru, span, STAGES, BLOCK_N, WORDS)
-    # a thread's tiles of x (16 pairs: 4 units' x) in shared memory, read as [16, tiles]: lanes and warps
-    # laid out as LW's along the words (so the pairs reach LU in each thread's registers, not through shared memory)
-    LT: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
-    if XSMEM:
-        x_shared = _x_to_shared(xq_ptr, XITERS, WORDS // 4, WARPS)
-    else:
-        x_shared = xq_ptr  # (unused)
-    if PREFETCH:
-        w = gl.load(w_rows + gl.expand_dims(ru, 0))
-        s = gl.load(s_rows + gl.expand_dims(ru // (GROUP // 8), 0))
-    if XSMEM:  # x's copies landed (the first words' loads, where prefetched, went out while they flew)
-        async_copy.wait_group(0)
-        _block_barrier()  # here, once: left to Triton's membar pass, the barrier lands inside the loop that reads x
     for u0 in range(0, span, WORDS):
         units = u0 + ru
         if STAGES:
-            w_now = _next_words(ring, w_rows, ru, u0, span, STAGES, WORDS, LW)
+            w_now = _next_words(ring, words_at, scales_at, stride_pn, stride_sn, j0 + u0 // WORDS, first, programs, tiles, LW, BLOCK_N, WORDS,
+                                STAGES, ITERS, GROUP)
             s_now = gl.load(s_rows + gl.expand_dims(units // (GROUP // 8), 0))
         elif PREFETCH:  # this block's words came last iteration; the next block's load now (the last block re-reads itself)
             w_now = w
@@ -342,8 +397,6 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
                                             [w_now, _rows(x0, w_now), _rows(x1, w_now), _rows(x2, w_now), _rows(x3, w_now), _rows(x4, w_now),
                                              _rows(x5, w_now), _rows(x6, w_now), _rows(x7, w_now)], dtype=gl.float32, is_pure=True, pack=1)
         acc += dot * s_now.to(gl.float32)
-    if STAGES:  # the loop's last asks (zero-fills past the row) still write the ring, whose memory the sum across warps may reuse
-        async_copy.wait_group(0)
     y = gl.sum(acc, axis=1)
     if HALF2 == 2:
         y = gl.convert_layout(y, LR) * 64.0  # the decode's 1/64, exact
@@ -363,6 +416,7 @@ class Launch(NamedTuple):
     xsmem: int = 0  # all of x in shared memory, loaded once per block (`_x_to_shared`; xvec is then moot)
     maxnreg: int = 0  # registers a thread at most (0: as ptxas allocates), where fewer fit another block on each SM
     stages: int = 0  # the words through a ring of this many tiles in shared memory (`_words_ring`; 0: loaded into registers); at most 32 KiB in LAUNCHES
+    persist: int = 0  # with a ring: programs an SM, each taking every grid-th block of rows through one ring and one copy of x (0: a program a block)
 
     @property
     def block_n(self) -> int:
@@ -375,7 +429,8 @@ class Launch(NamedTuple):
     def __str__(self) -> str:
         return (f"{('fp32', 'half2', 'half2 pairs')[self.half2]} {self.block_n}x{self.words} ({self.rows} row{'s' if self.rows > 1 else ''} x {self.vec} words "
                 f"a thread), {self.warps} warps" + (", prefetch" if self.prefetch else "") + (", x in shared memory" if self.xsmem else "" if self.xvec else ", x by 4-byte loads")
-                + (f", at most {self.maxnreg} registers" if self.maxnreg else "") + (f", {self.stages}-stage ring" if self.stages else ""))
+                + (f", at most {self.maxnreg} registers" if self.maxnreg else "") + (f", {self.stages}-stage ring" if self.stages else "")
+                + (f", {self.persist} programs an SM" if self.persist else ""))
 
 
 LAUNCHES = [Launch(*shape) for shape in [
@@ -389,6 +444,8 @@ LAUNCHES = [Launch(*shape) for shape in [
     (2, 4, 4, 0, 1, 4),
     (1, 2, 2, 0, 0, 4, 4, 0, 0, 4), (2, 2, 2, 0, 0, 4, 4, 0, 0, 4), (1, 2, 2, 0, 0, 4, 4, 0, 0, 8), (1, 2, 2, 0, 1, 4, 4, 1, 0, 4),
     (2, 2, 4, 0, 1, 4, 4, 1, 0, 4), (2, 2, 8, 0, 1, 8, 4, 1, 0, 4), (2, 4, 4, 0, 1, 4, 4, 0, 0, 3),
+    (1, 2, 2, 0, 0, 4, 4, 0, 0, 8, 4), (2, 2, 2, 0, 0, 4, 4, 0, 0, 8, 4), (1, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3), (2, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3),
+    (2, 4, 4, 0, 1, 4, 4, 1, 0, 4, 3), (1, 2, 8, 0, 1, 8, 4, 1, 0, 4, 2),
     (0, 1, 4, 0, 1, 4), (0, 2, 4, 0, 1, 4), (0, 4, 4, 0, 1, 4), (0, 1, 8, 0, 1, 8), (0, 2, 8, 0, 1, 8), (0, 1, 4, 0, 1, 4, 8),
 ]]
 
@@ -396,27 +453,44 @@ LAUNCHES = [Launch(*shape) for shape in [
 def run(x, weight, y, launch: Launch):
     """y = x @ weight^T (x: [1, K] fp16) for a weight that `fits` the launch, in either layout
     (its `interleaved` flag)."""
-    gemv_gluon[(weight.rows // launch.block_n,)](x, weight.packed, weight.scale, y, weight.rows, weight.columns, weight.packed.stride(0),
+    gemv_gluon[grid(launch, weight.rows, _sm_count(x.device.index))](x, weight.packed, weight.scale, y, weight.rows, weight.columns, weight.packed.stride(0),
                                                  weight.scale.stride(0), GROUP=weight.group_size, HALF2=launch.half2, ROWS=launch.rows,
                                                  WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec, WARPS=launch.warps,
                                                  INTERLEAVED=int(weight.interleaved), VEC=launch.vec, XSMEM=launch.xsmem,
-                                                 XITERS=x_iterations(launch, weight.columns), STAGES=launch.stages, num_warps=launch.warps,
+                                                 ITERS=iterations(launch, weight.columns), STAGES=launch.stages, num_warps=launch.warps,
                                                  **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}), **pdl_launch(x.device))
     return y
 
 
-# The launches `served_launch` times against the grid GEMV: every half2 one (40, the pairs and
-# the rings among them; a layer shape's first call compiles and times them). Not only those whose loops compiled shortest
+# The launches `served_launch` times against the grid GEMV: every half2 one (46, the pairs,
+# rings and persistent rings among them; a layer shape's first call compiles and times them). Not only those whose loops compiled shortest
 # for sm_90 (no prefetch, 16-byte x loads; benchmarks/results/gemv_gluon_sass.md): on an H200 the
 # fastest interleaved launch at 4096x4096 and 4096x14336 loads x in 4 bytes, and the next one
 # prefetches (benchmarks/results/gpu_h200.md).
 SERVED = [launch for launch in LAUNCHES if launch.half2]
 
 
-def x_iterations(launch: Launch, columns: int) -> int:
-    """The XITERS a launch takes at this K: its loop's iterations where it holds x in shared
-    memory (sized at compile time), else 0."""
-    return columns // (8 * launch.words) if launch.xsmem else 0
+def iterations(launch: Launch, columns: int) -> int:
+    """The ITERS a launch takes at this K: its loop's iterations a block of rows where it holds x
+    in shared memory (sized at compile time) or streams its words through a ring (which counts a
+    program's tiles across its blocks), else 0."""
+    return columns // (8 * launch.words) if launch.xsmem or launch.stages else 0
+
+
+def grid(launch: Launch, rows: int, sms: int) -> tuple[int]:
+    """The launch's programs on a weight of `rows` rows on a GPU of `sms` multiprocessors: one a
+    block of rows, or for a persistent launch at most `persist` an SM, each streaming its blocks
+    through one ring (its next block's first words are asked for while it sums this one's last)
+    after copying x once: a program a block copied all of x per block, 7-29 MB from L2 at K = 14336
+    against 30 MB of weight, and ran 2.33x fp16 there where it ran 3.09x at K = 4096
+    (benchmarks/results/gpu_h200.md, stop 69)."""
+    blocks = rows // launch.block_n
+    return (min(blocks, launch.persist * sms) if launch.persist else blocks,)
+
+
+@functools.cache
+def _sm_count(device: int | None) -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device).multi_processor_count
 
 
 def fits(weight, launch: Launch) -> bool:
