@@ -428,7 +428,7 @@ class Launch(NamedTuple):
 
     def __str__(self) -> str:
         return (f"{('fp32', 'half2', 'half2 pairs')[self.half2]} {self.block_n}x{self.words} ({self.rows} row{'s' if self.rows > 1 else ''} x {self.vec} words "
-                f"a thread), {self.warps} warps" + (", prefetch" if self.prefetch else "") + (", x in shared memory" if self.xsmem else "" if self.xvec else ", x by 4-byte loads")
+                f"a thread), {self.warps} warp{'s' if self.warps > 1 else ''}" + (", prefetch" if self.prefetch else "") + (", x in shared memory" if self.xsmem else "" if self.xvec else ", x by 4-byte loads")
                 + (f", at most {self.maxnreg} registers" if self.maxnreg else "") + (f", {self.stages}-stage ring" if self.stages else "")
                 + (f", {self.persist} programs an SM" if self.persist else ""))
 
@@ -445,7 +445,7 @@ LAUNCHES = [Launch(*shape) for shape in [
     (1, 2, 2, 0, 0, 4, 4, 0, 0, 4), (2, 2, 2, 0, 0, 4, 4, 0, 0, 4), (1, 2, 2, 0, 0, 4, 4, 0, 0, 8), (1, 2, 2, 0, 1, 4, 4, 1, 0, 4),
     (2, 2, 4, 0, 1, 4, 4, 1, 0, 4), (2, 2, 8, 0, 1, 8, 4, 1, 0, 4), (2, 4, 4, 0, 1, 4, 4, 0, 0, 3),
     (1, 2, 2, 0, 0, 4, 4, 0, 0, 8, 4), (2, 2, 2, 0, 0, 4, 4, 0, 0, 8, 4), (1, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3), (2, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3),
-    (2, 4, 4, 0, 1, 4, 4, 1, 0, 4, 3), (1, 2, 8, 0, 1, 8, 4, 1, 0, 4, 2),
+    (2, 4, 4, 0, 1, 4, 4, 1, 0, 4, 3), (1, 2, 8, 0, 1, 8, 4, 1, 0, 4, 2), (1, 2, 1, 0, 1, 1, 4, 0, 0, 8, 16), (2, 4, 1, 0, 1, 1, 4, 0, 0, 4, 16),
     (0, 1, 4, 0, 1, 4), (0, 2, 4, 0, 1, 4), (0, 4, 4, 0, 1, 4), (0, 1, 8, 0, 1, 8), (0, 2, 8, 0, 1, 8), (0, 1, 4, 0, 1, 4, 8),
 ]]
 
@@ -462,7 +462,7 @@ def run(x, weight, y, launch: Launch):
     return y
 
 
-# The launches `served_launch` times against the grid GEMV: every half2 one (46, the pairs,
+# The launches `served_launch` times against the grid GEMV: every half2 one (48, the pairs,
 # rings and persistent rings among them; a layer shape's first call compiles and times them). Not only those whose loops compiled shortest
 # for sm_90 (no prefetch, 16-byte x loads; benchmarks/results/gemv_gluon_sass.md): on an H200 the
 # fastest interleaved launch at 4096x4096 and 4096x14336 loads x in 4 bytes, and the next one
