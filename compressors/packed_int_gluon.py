@@ -289,7 +289,7 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
         runs = gl.arange(0, WORDS // 4, layout=gl.SliceLayout(0, LF)) * 4  # each thread's runs' first words (a word's scale is its run's)
         words_at = packed_ptr + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW)) * stride_pn, 1) + gl.expand_dims(
             gl.arange(0, WORDS, layout=gl.SliceLayout(0, LW)), 0)
-        scales_at = scale_ptr + gl.expand_dims(rf * stride_sn, 1) + gl.expand_dims(runs // (GROUP // 8), 0)  # (GROUP // 8 divides WORDS, or is K // 8)
+        scales_at = scale_ptr + gl.expand_dims(rf * stride_sn, 1) + gl.expand_dims(runs // (GROUP // 8), 0)  # (a hint, exact for groups of 32-128 and per channel)
         ring = _words_ring(words_at, scales_at, stride_pn, stride_sn, first, programs, tiles, BLOCK_N, WORDS, STAGES, ITERS, GROUP)
         if PDL:
             await_predecessor(WARPS)
