@@ -144,6 +144,7 @@ def main() -> None:
     parser.add_argument("--launches", help="with --emulate or --traffic: indices into LAUNCHES (default: all; --traffic: the served ones and the grid GEMV)")
     parser.add_argument("--traffic", action="store_true", help="count what each batch-1 GEMV reads, running its PTX on the CPU")
     parser.add_argument("--columns", type=int, default=4096, help="with --emulate: the weight's width (wide enough that a ring of words wraps)")
+    parser.add_argument("--rows", type=int, default=32, help="with --emulate: the weight's rows (enough that a persistent launch's programs take several blocks)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/gemv_gluon"))
     parser.add_argument("--compile-workers", type=int, default=0, help="compile the served GEMV's launch shapes first in this many processes")
     args = parser.parse_args()
@@ -159,7 +160,7 @@ def main() -> None:
         from benchmarks.kernel_sass import EMULATED_TOLERANCE
 
         chosen = chosen or LAUNCHES
-        results = emulated(chosen, columns=args.columns)
+        results = emulated(chosen, rows=args.rows, columns=args.columns)
         (args.out / "gemv_gluon_emulated.json").write_text(json.dumps(results, indent=1))
         off = [r for r in results if not r["rel_error"] <= EMULATED_TOLERANCE["fp16"]]  # NaN is off too
         for arithmetic in ("half2", "fp32"):

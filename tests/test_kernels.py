@@ -731,19 +731,23 @@ def test_gluon_gemv_rings_wrap_around(tmp_path):
     """The launches that stream their words through a ring in shared memory (`stages`), emulated
     as compiled for sm_90 on a weight wide enough that each ring wraps (18432 columns: 9 to 18
     iterations against rings of 3 to 8 stages), so a slot is refilled after it was read: y within
-    fp16 rounding of the reference, in both layouts and per channel. The persistent ones run on
-    one emulated multiprocessor, so some programs stream two blocks of rows through one ring and
-    others one (32 rows: a wrong block, or a block summed twice, shows). (At 4096 columns, in the
-    test above, the last asks fall past the row and are masked.)"""
+    fp16 rounding of the reference, in both layouts and per channel. The persistent ones (a
+    persistent launch is a ring's) run on 96 rows and one emulated multiprocessor, so each has
+    programs that stream two or more blocks of rows through one ring, wrapping it (a block left
+    out shows as NaN, one taken for another as error). (At 4096 columns, in the test above, the
+    last asks fall past the row and are masked.)"""
     from benchmarks.gemv_gluon import EMULATED_SMS
     from compressors.packed_int_gluon import LAUNCHES, grid
 
-    rings = [i for i, launch in enumerate(LAUNCHES) if launch.stages]
-    assert {LAUNCHES[i].stages for i in rings} >= {3, 4, 8}
-    shared = [LAUNCHES[i] for i in rings if grid(LAUNCHES[i], 32, EMULATED_SMS)[0] < 32 // LAUNCHES[i].block_n]
-    assert any(32 // launch.block_n % launch.persist for launch in shared)  # programs take unequal numbers of blocks
+    rings = [i for i, launch in enumerate(LAUNCHES) if launch.stages and not launch.persist]
+    persistent = [i for i, launch in enumerate(LAUNCHES) if launch.persist]
+    assert {LAUNCHES[i].stages for i in rings} >= {3, 4, 8} and all(LAUNCHES[i].stages for i in persistent)
+    for launch in [LAUNCHES[i] for i in persistent]:  # a program with several blocks, and more tiles than its ring holds
+        blocks, (programs,) = 96 // launch.block_n, grid(launch, 96, EMULATED_SMS)
+        assert programs < blocks and -(-blocks // programs) * 4096 // (8 * launch.words) > launch.stages
     rows = _gemv_gluon_rows(tmp_path, "--emulate", ",".join(map(str, rings)), "gemv_gluon_emulated.json", "--columns", "18432")
-    assert len(rows) == 3 * len(rings) and all(r["rel_error"] <= 2e-3 for r in rows), rows
+    rows += _gemv_gluon_rows(tmp_path, "--emulate", ",".join(map(str, persistent)), "gemv_gluon_emulated.json", "--rows", "96")
+    assert len(rows) == 3 * len(rings + persistent) and all(r["rel_error"] <= 2e-3 for r in rows), rows
 
 
 def test_gluon_gemv_reads_its_words_in_whole_sectors(tmp_path):
@@ -1039,14 +1043,13 @@ def test_gluon_gemv_matches_the_reference_and_serves_where_it_is_faster(monkeypa
     (here against the grid GEMV's first launch shape where LMPRESS_AUTOTUNE=0 fixed it at
     import), with the same y either way. And each persistent launch on a weight with twice its
     programs' blocks of rows but one, so all but one of its programs stream two blocks through
-    their ring."""
+    their ring (a block left out shows as NaN)."""
     from compressors import packed_int_gluon
 
     x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(0)).half().to(DEVICE)
     for launch in [launch for launch in packed_int_gluon.LAUNCHES if launch.persist]:
         programs = launch.persist * packed_int_gluon._sm_count(DEVICE.index)
         weight = packed(4, launch.block_n * (2 * programs - 1), 4096, 128).interleave()
-        assert packed_int_gluon.grid(launch, weight.rows, packed_int_gluon._sm_count(DEVICE.index)) == (programs,)
         reference = matmul_reference(x, weight).float()
         y = torch.full((1, weight.rows), float("nan"), dtype=torch.float16, device=DEVICE)
         error = ((packed_int_gluon.run(x, weight, y, launch).float() - reference).norm() / reference.norm()).item()
