@@ -32,7 +32,7 @@ step() {
     echo "=== rc $? at ${SECONDS}s"  # (timeout signals the step's whole process group: its compile workers too)
 }
 step 170 bash benchmarks/gpu_check.sh gluon  # (48 half2 launches, 54 in all, both layouts, 3 shapes; serving times its 48 per shape)
-step 90 env TESTS_K="gluon_gemv_matches or cuda_graphs" bash benchmarks/gpu_check.sh tests
+step 110 env TESTS_K="gluon_gemv_matches or cuda_graphs" bash benchmarks/gpu_check.sh tests
 step 150 bash benchmarks/gpu_check.sh profile
 left=$((BUDGET - SECONDS))
 [ $left -gt 30 ] && step $((left < 100 ? left : 100)) env SPEED_ARGS="--kinds int4-interleaved --batches 1" bash benchmarks/gpu_check.sh speed
