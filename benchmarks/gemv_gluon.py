@@ -219,10 +219,11 @@ def main() -> None:
         (args.out / "gemv_gluon.json").write_text(json.dumps(rows, indent=1))
     for shape in args.shapes.split(","):
         group = [r for r in rows if r["shape"] == shape]
-        kinds = {"half2": lambda r: r["launch"].startswith("half2"), "fp32": lambda r: r["launch"].startswith("fp32"),
-                 "ring": lambda r: "ring" in r["launch"] and "an SM" not in r["launch"], "persistent ring": lambda r: "an SM" in r["launch"]}
+        by_name = {str(launch): launch for launch in LAUNCHES}
+        kinds = {"half2": lambda launch: launch.half2, "fp32": lambda launch: not launch.half2,
+                 "ring": lambda launch: launch.stages and not launch.persist, "persistent ring": lambda launch: launch.persist}
         for kind, chosen in kinds.items():
-            best = min(filter(chosen, group), key=lambda r: r["us"], default=None)
+            best = min((r for r in group if chosen(by_name[r["launch"]])), key=lambda r: r["us"], default=None)
             if best:
                 print(f"{shape} best {kind}: {best['layout']}, {best['us']} us = {best['speedup']}x fp16 ({best['fp16_us']} us), {best['read_TBps']} TB/s, "
                       f"{best['launch']}, rel error {best['rel_error']:.1e}; served GEMV {best['served_interleaved_us']} us interleaved, "

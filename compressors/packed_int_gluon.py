@@ -107,21 +107,26 @@ _AWAIT_INPUTS = gl.constexpr("{\ngriddepcontrol.wait;\ngriddepcontrol.launch_dep
 
 
 @gluon.jit
-def _await_inputs(packed_ptr, scale_ptr, block, stride_pn, stride_sn, span, ROWS: gl.constexpr, WARPS_N: gl.constexpr, WARPS: gl.constexpr,
-                  VEC: gl.constexpr, AHEAD: gl.constexpr = 1):
+def _runs(LF: gl.constexpr, BLOCK_N: gl.constexpr, WORDS: gl.constexpr):
+    """A block's rows and the first words of its runs of 4, as each thread holds them (LF: a
+    thread's rows at its runs' first words)."""
+    return gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LF)), gl.arange(0, WORDS // 4, layout=gl.SliceLayout(0, LF)) * 4
+
+
+@gluon.jit
+def _await_inputs(packed_ptr, scale_ptr, block, stride_pn, stride_sn, span, LF: gl.constexpr, BLOCK_N: gl.constexpr, WORDS: gl.constexpr,
+                  WARPS: gl.constexpr, AHEAD: gl.constexpr = 1):
     """Launched as a programmatic dependent (`pdl_launch`), a program may start before the
     kernel ahead of it has finished: it prefetches into L2 its rows' words of the first AHEAD
     iterations (each thread its own runs; past the row's `span` words, the last iteration's
     again) and first scales, which serving never writes, then waits for that kernel before the
     loop reads x, as packed_int's `_await_inputs` does."""
-    LF: gl.constexpr = gl.BlockedLayout([ROWS, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])  # a thread's rows, at its runs' first words
-    rows = block * (ROWS * WARPS_N) + gl.arange(0, ROWS * WARPS_N, layout=gl.SliceLayout(1, LF))
-    runs = gl.arange(0, 8 * VEC * (WARPS // WARPS_N), layout=gl.SliceLayout(0, LF)) * 4  # the block's VEC * 32 * warps-along-K words, by runs of 4
+    rows, runs = _runs(LF, BLOCK_N, WORDS)
+    rows += block * BLOCK_N
     words = packed_ptr + gl.expand_dims(rows * stride_pn, 1) + gl.expand_dims(runs, 0)
     gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [words], dtype=gl.int32, is_pure=False, pack=1)
     for i in gl.static_range(1, AHEAD):
-        gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [words + gl.minimum(i * (32 * VEC * (WARPS // WARPS_N)), span - 32 * VEC * (WARPS // WARPS_N))],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [words + gl.minimum(i * WORDS, span - WORDS)], dtype=gl.int32, is_pure=False, pack=1)
     gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [scale_ptr + rows * stride_sn], dtype=gl.int32, is_pure=False, pack=1)
     await_predecessor(WARPS)
 
@@ -285,8 +290,7 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
     if STAGES:  # a ring's first asks go out before the wait for the kernel ahead (serving never writes words or scales)
         programs = gl.num_programs(0)  # the grid may be smaller than the blocks of rows (`Launch.persist`): a program takes every programs-th
         tiles = (N // BLOCK_N - first + programs - 1) // programs * ITERS
-        rf = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LF))
-        runs = gl.arange(0, WORDS // 4, layout=gl.SliceLayout(0, LF)) * 4  # each thread's runs' first words (a word's scale is its run's)
+        rf, runs = _runs(LF, BLOCK_N, WORDS)  # (a word's scale is its run's)
         words_at = packed_ptr + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW)) * stride_pn, 1) + gl.expand_dims(
             gl.arange(0, WORDS, layout=gl.SliceLayout(0, LW)), 0)
         scales_at = scale_ptr + gl.expand_dims(rf * stride_sn, 1) + gl.expand_dims(runs // (GROUP // 8), 0)  # (a hint, exact for groups of 32-128 and per channel)
@@ -300,9 +304,7 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
         words_at = xq_ptr
         scales_at = xq_ptr
         if PDL:  # where x is copied to shared memory first, a block's first loads of words wait for it: more words to L2 while it flies
-            _await_inputs(packed_ptr, scale_ptr, first, stride_pn, stride_sn, span, ROWS, WARPS_N, WARPS, VEC, 3 if XSMEM else 1)
-    # a thread's tiles of x (16 pairs: 4 units' x) in shared memory, read as [16, tiles]: lanes and warps
-    # laid out as LW's along the words (so the pairs reach LU in each thread's registers, not through shared memory)
+            _await_inputs(packed_ptr, scale_ptr, first, stride_pn, stride_sn, span, LF, BLOCK_N, WORDS, WARPS, 3 if XSMEM else 1)
     if XSMEM:
         x_shared = _x_to_shared(xq_ptr, ITERS, WORDS // 4, WARPS)
     else:
@@ -339,6 +341,8 @@ def _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_
     LX: gl.constexpr = gl.BlockedLayout([4, 4], [32, 1], [WARPS // WARPS_N, WARPS_N], [0, 1] if INTERLEAVED else [1, 0])
     LR: gl.constexpr = gl.SliceLayout(1, LW)
     LU: gl.constexpr = gl.SliceLayout(0, LW)
+    # a thread's tiles of x (16 pairs: 4 units' x) in shared memory, read as [16, tiles]: lanes and warps
+    # laid out as LW's along the words (so the pairs reach LU in each thread's registers, not through shared memory)
     LT: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [WARPS_N, WARPS // WARPS_N], [1, 0])
     rn = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=LR)
     acc = gl.zeros([BLOCK_N, WORDS], gl.float32, LW)
@@ -489,8 +493,8 @@ def grid(launch: Launch, rows: int, sms: int) -> tuple[int]:
 
 
 @functools.cache
-def _sm_count(device: int | None) -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device).multi_processor_count
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fits(weight, launch: Launch) -> bool:
