@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if {"--sass", "--emulate", "--traffic"} & set(sys.argv):  # compile for sm_90, not interpret: set before triton is imported
     os.environ["TRITON_INTERPRET"] = "0"
 
-from compressors.packed_int_gluon import LAUNCHES, Launch, gemv_gluon, grid, iterations, run  # noqa: E402
+from compressors.packed_int_gluon import LAUNCHES, TMA_LAYOUT, Launch, gemv_gluon, grid, iterations, run  # noqa: E402
 
 EMULATED_SMS = 1  # the emulated GPU's multiprocessors: a persistent launch's programs each take several blocks of rows
 WEIGHT_ARRAYS = (1, 2)  # the words and scales (after x): no kernel before a GEMV writes them, so it may read them before its wait
@@ -40,7 +40,21 @@ def compiled(launch: Launch, interleaved: int, group: int = 128, columns: int = 
     constants = dict(GROUP=group, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
                      WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec, XSMEM=launch.xsmem,
                      ITERS=iterations(launch, columns), STAGES=launch.stages, **ON_HOPPER)
-    return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True, maxnreg=launch.maxnreg or None)
+    if launch.tma:  # the words' tensor descriptor, as `run` makes it
+        types = {"words_desc": f"tensordesc<i32[{launch.block_n}, {launch.words}],{TMA_LAYOUT!r}>"}
+        constants["TMA"] = 1
+    else:
+        types, constants["words_desc"] = {}, None
+    return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True, maxnreg=launch.maxnreg or None, types=types)
+
+
+def arguments(launch: Launch, x, weight, y) -> list:
+    """The emulator's arguments for a launch, in `gemv_gluon`'s order, as `run` passes them: x,
+    the words, the scales, y (numpy), the sizes and strides, and by TMA the words' descriptor."""
+    from benchmarks.ptx_emulator import TensorMap
+
+    return [x.numpy(), weight.packed.numpy(), weight.scale.numpy(), y, weight.rows, weight.columns, weight.packed.stride(0), weight.scale.stride(0),
+            *([TensorMap(1, (launch.block_n, launch.words))] if launch.tma else [])]
 
 
 def sass_counts() -> list[dict]:
@@ -81,8 +95,7 @@ def emulated(launches: list[Launch], rows: int = 32, columns: int = 4096) -> lis
         stored = weight.interleave() if interleaved else weight
         for launch in launches:
             y = np.full(rows, np.nan, np.float16)  # rows a launch leaves unwritten show as NaN error
-            emulate(compiled(launch, interleaved, stored.group_size, columns).asm["ptx"], grid(launch, rows, EMULATED_SMS),
-                    [x.numpy(), stored.packed.numpy(), stored.scale.numpy(), y, rows, columns, stored.packed.stride(0), stored.scale.stride(0)],
+            emulate(compiled(launch, interleaved, stored.group_size, columns).asm["ptx"], grid(launch, rows, EMULATED_SMS), arguments(launch, x, stored, y),
                     read_only=WEIGHT_ARRAYS)
             error = ((torch.from_numpy(y).float() - reference).norm() / reference.norm()).item()
             results.append(dict(launch=str(launch), layout="interleaved" if interleaved else "unit order", group=group or "per channel", rel_error=error))
@@ -115,8 +128,7 @@ def traffic(launches: list[Launch] | None = None, rows: int = 64, columns: int =
     kernels = []  # (name, ptx, grid, arguments); both kernels take x, then the words, then the scales
     for launch in launches or SERVED:
         kernels.append((f"Gluon {launch}", compiled(launch, int(interleaved), columns=columns).asm["ptx"], grid(launch, rows, EMULATED_SMS),
-                        [x.numpy(), weight.packed.numpy(), weight.scale.numpy(), np.zeros(rows, np.float16), rows, columns,
-                         weight.packed.stride(0), weight.scale.stride(0)]))
+                        arguments(launch, x, weight, np.zeros(rows, np.float16))))
     _, tensors, strides, flags = weight._launch
     for config in [] if launches else packed_int.GEMV_CONFIGS:
         if config.kwargs["SPLIT_K"] > 1:

@@ -49,9 +49,9 @@ POINTERS = {"x_ptr": "fp16", "y_ptr": "fp16", "out_ptr": "fp16", "packed_ptr": "
 
 
 def compile_for(kernel, constexprs: dict, activations: str = "fp16", arch: int = 90, num_warps: int = 4, num_stages: int = 3,
-                aligned: bool = False, unaligned: tuple[str, ...] = (), maxnreg: int | None = None):
+                aligned: bool = False, unaligned: tuple[str, ...] = (), maxnreg: int | None = None, types: dict | None = None):
     """The kernel compiled for compute capability `arch` (its `.asm`: ptx, cubin), given its
-    constexpr arguments. aligned: every pointer and integer argument (but those `unaligned`)
+    constexpr arguments (and `types`: any other argument's type, e.g. a tensor descriptor's). aligned: every pointer and integer argument (but those `unaligned`)
     divisible by 16, as Triton specializes a launch on 4096-wide layers (for the GEMM, also a
     batch that is a multiple of 16), so loads may be vectorized as they are in serving."""
     signature, attrs = {}, {}
@@ -59,7 +59,9 @@ def compile_for(kernel, constexprs: dict, activations: str = "fp16", arch: int =
         if param.is_constexpr or name in constexprs:  # an integer given a value: specialized, as Triton does a 1
             signature[name] = "constexpr"
             continue
-        if name.endswith("_ptr"):
+        if name in (types or {}):
+            signature[name] = types[name]
+        elif name.endswith("_ptr"):
             stored = "fp16" if name == "packed_ptr" and constexprs.get("BITS") == 16 else POINTERS[name]  # 2:4 fp16 keeps values
             signature[name] = "*" + (activations if name in ("x_ptr", "y_ptr") else stored)
         else:

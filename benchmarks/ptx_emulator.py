@@ -16,7 +16,11 @@ the kernel before it (`griddepcontrol.wait`: launched as a programmatic dependen
 while that one still runs) may only prefetch before the wait: a global load, store, atomic or
 copy ahead of it raises, since on a GPU it could read x before it is written or write y while
 it is read, but a read of an array the launch names read-only (a model's weights, which no
-kernel before writes). Instruction semantics follow
+kernel before writes). A TMA copy (`cp.async.bulk.tensor`, of a `TensorMap` argument's tile)
+lands, like a cp.async copy, only when a thread waits on its mbarrier's phase
+(`mbarrier.try_wait.parity`), which completes when its arrivals are in and the bytes they expect
+have landed; a wait that could never complete, and a block that exits with a copy in flight,
+raise. Instruction semantics follow
 NVIDIA's PTX ISA. Rounding: fp16 results are rounded once from the float64 value (exact for
 fp16 products and sums of nearby magnitude), fp32 fma likewise from float64 (double rounding is
 possible only when the product's low bits straddle a tie: rare, and far inside any tolerance a
@@ -29,6 +33,7 @@ from __future__ import annotations
 import functools
 import itertools
 import re
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,6 +44,7 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SIGNED_BITS = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
 _FLOAT_BITS = {16: np.float16, 32: np.float32, 64: np.float64}
 _MASK = {width: np.uint64((1 << width) - 1) for width in (8, 16, 32, 64)}
+TENSOR_MAPS = 0xD0000000  # where `launch` numbers its TensorMap arguments' handles: no array lies there (global memory starts at 1 MiB)
 _SPECIAL = ("%tid.", "%ntid.", "%ctaid.", "%nctaid.", "%laneid", "%warpid")
 
 
@@ -116,12 +122,28 @@ def _split_operands(text: str) -> list[str]:
     return [part.strip() for part in re.split(r",(?![^{]*})(?![^\[]*\])", text)] if text.strip() else []
 
 
+def _scoped_labels(body: str) -> str:
+    """The labels an inline-asm block defines, renamed apart: Triton inlines the same block (an
+    mbarrier's wait loop, `waitLoop:`) once per wait, and each branch means its own block's."""
+    blocks = itertools.count()
+
+    def rename(block: re.Match) -> str:
+        text, number = block.group(0), next(blocks)
+        for label in re.findall(r"(?m)^\s*(\w+):(?!:)", text):
+            text = re.sub(rf"\b{label}\b", f"{label}_{number}", text)
+        return text
+
+    return re.sub(r"\{[^{}]*\}", rename, body)
+
+
 @functools.lru_cache(maxsize=64)
 def _program(body: str) -> tuple[list[tuple], dict[str, int]]:
     """PTX statements as (guard, opcode, operands) and the labels' statement indices. Comments,
     `.loc` and register declarations go; an inline-asm block's braces only scope its register
-    names, which it writes before it reads, so one flat namespace serves."""
+    names, which it writes before it reads, so one flat namespace serves (its labels are renamed
+    apart, `_scoped_labels`)."""
     body = "\n".join(line for line in re.sub(r"//[^\n]*", "", body).splitlines() if not line.strip().startswith((".loc", ".file")))
+    body = _scoped_labels(body)
     statements, labels = [], {}
     for raw in body.split(";"):
         text = raw.strip()
@@ -166,6 +188,15 @@ def _immediate(token: str) -> int | None:
     if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)U?", token):
         return int(token.rstrip("U"), 0) & (1 << 64) - 1
     return None
+
+
+class TensorMap(NamedTuple):
+    """A TMA tensor descriptor as a `launch` argument: the 2-D array among the arguments (its
+    index) it maps, copied in tiles of `box` (rows, columns), unswizzled, zeros past its edges.
+    It takes the kernel parameters Triton expands a descriptor into: the descriptor, then the
+    array's shape and strides."""
+    array: int
+    box: tuple[int, int]
 
 
 class Memory:
@@ -247,7 +278,7 @@ class Memory:
     def _settled(self, index: np.ndarray) -> np.ndarray:
         """`index`, where no cp.async copy in flight writes: a shared access there raises."""
         if self.in_flight is not None and self.in_flight[index].any():
-            raise MemoryError("a shared access to bytes a cp.async copy in flight still writes (wait for its group first)")
+            raise MemoryError("a shared access to bytes a copy in flight still writes (wait for its cp.async group or its mbarrier first)")
         return index
 
     def load(self, address: np.ndarray, width: int, vector: int) -> list[np.ndarray]:
@@ -264,8 +295,10 @@ class Block:
     """One thread block's threads in lockstep."""
 
     def __init__(self, threads: int, memory: Memory | None = None, params: dict[str, int] | None = None, block: tuple[int, ...] = (0,),
-                 grid: tuple[int, ...] = (1,), shared_bytes: int = 0, read_only: tuple[int, ...] = ()):
+                 grid: tuple[int, ...] = (1,), shared_bytes: int = 0, read_only: tuple[int, ...] = (), maps: dict | None = None):
         self.threads, self.memory, self.params = threads, memory, params or {}
+        self.maps = maps or {}  # a TensorMap's parameter value: (its array's index among the memory's, the array, the box)
+        self.barriers: dict[int, dict] = {}  # mbarriers by shared address: count, arrivals pending, bytes expected, phase, TMA copies on it
         self.read_only = set(read_only)  # indices of the memory's arrays no kernel before writes: readable before griddepcontrol.wait
         self.regs: dict[str, np.ndarray] = {}
         self.everyone = np.ones(threads, bool)  # an instruction's threads when it has no guard
@@ -295,6 +328,8 @@ class Block:
             return self.special[token]
         if token == "global_smem":
             return np.zeros(self.threads, np.uint64)
+        if token in self.params:  # `mov.b32 %r, k_param_0`: a parameter's address (a tensor map's, here its value), then cvta.param
+            return np.full(self.threads, self.params[token], np.uint64)
         if token not in self.constants:
             bits = _immediate(token)
             if bits is None:
@@ -345,10 +380,12 @@ class Block:
                     raise NotImplementedError("a divergent branch: the emulator runs a block's threads in lockstep")
                 continue
             if opcode == "ret" or opcode.startswith("exit"):
+                if any(barrier["copies"] for barrier in self.barriers.values()):
+                    raise MemoryError("the block exits with a TMA copy in flight (never waited for): it may land in another block's shared memory")
                 return
             try:
                 self.step(opcode, ops, active)
-            except (AssertionError, IndexError, KeyError, MemoryError, NotImplementedError, ValueError) as error:
+            except (AssertionError, IndexError, KeyError, MemoryError, NotImplementedError, RuntimeError, ValueError) as error:
                 raise type(error)(f"{error} (at `{opcode} {', '.join(ops)}`)") from error
 
     def step(self, opcode: str, ops: list[str], active: np.ndarray | None) -> None:  # noqa: C901  (one branch per instruction)
@@ -358,6 +395,26 @@ class Block:
             return  # lockstep: every thread is already here
         if name == "griddepcontrol":  # wait: the kernel before is done (here, there is none); launch_dependents: a hint
             self.awaiting = self.awaiting and parts[1] != "wait"
+            return
+        if opcode.startswith("cp.async.bulk.tensor.2d.shared"):
+            self.tma_copy(ops, self.everyone if active is None else active)
+            return
+        if name == "mbarrier":
+            self.mbarrier(parts, ops, self.everyone if active is None else active)
+            return
+        if name == "elect":  # elect.sync %r|%p, membermask: each warp's first active lane
+            threads = self.everyone if active is None else active
+            lane = np.arange(self.threads) % 32
+            first = np.full(self.threads, 32)
+            for warp in range(0, self.threads, 32):
+                chosen = np.flatnonzero(threads[warp:warp + 32])
+                first[warp:warp + 32] = chosen[0] if len(chosen) else 32
+            leader, elected = _registers(ops[0].replace("|", ","))
+            self.write(leader, first.astype(np.uint64), active)
+            self.write(elected, threads & (lane == first), active)
+            return
+        if name == "cvta":  # a parameter's or shared address as a generic one: the same number here
+            self.write(ops[0], self.value(ops[1]), active)
             return
         copy = name == "cp" and "prefetch" not in parts and not {"commit_group", "wait_group", "wait_all"} & set(parts)
         if self.awaiting and (copy or name in ("red", "atom") or name in ("ld", "st") and parts[1] == "global") and not (
@@ -515,6 +572,82 @@ class Block:
             self.write(ops[0], self.float_math(name, kind, ops), active)
             return
         self.write(ops[0], self.integer_math(name, parts, ops), active)
+
+    def tma_copy(self, ops: list[str], threads: np.ndarray) -> None:
+        """cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes [shared], [map,
+        {column, row}], [mbarrier]: each issuing thread's tile of the map's array (zeros past its
+        edges) into shared memory, in flight until a wait on the mbarrier lands it (`mbarrier`)."""
+        target, barrier = self.address(ops[0]), self.address(ops[2])
+        handle, coordinates = ops[1].strip("[] ").split(",", 1)
+        columns, rows = (_as(self.value(c), "s32").astype(np.int64) for c in _registers(coordinates))
+        for thread in np.flatnonzero(threads):
+            index, array, (box_rows, box_columns) = self.maps[int(self.value(handle)[thread])]
+            if self.awaiting and index not in self.read_only:
+                raise MemoryError("a TMA copy before griddepcontrol.wait of an array the kernel before may write")
+            if target[thread] % 16:
+                raise MemoryError(f"a TMA copy into shared memory at {hex(int(target[thread]))}: not 16-byte aligned")
+            row, column, size = int(rows[thread]), int(columns[thread]), array.itemsize
+            tile = np.zeros((box_rows, box_columns), array.dtype)
+            inside = array[max(row, 0):max(row + box_rows, 0), max(column, 0):max(column + box_columns, 0)]
+            tile[max(-row, 0):max(-row, 0) + inside.shape[0], max(-column, 0):max(-column, 0) + inside.shape[1]] = inside
+            if self.memory.traffic is not None and inside.size:  # its bytes read, in 16-byte pieces of its rows (one access, as a warp's)
+                start = self.memory.addresses[index] + (max(row, 0) * array.shape[1] + max(column, 0)) * size
+                pieces = (start + np.arange(inside.shape[0])[:, None] * array.strides[0] + np.arange(0, inside.shape[1] * size, 16)[None, :]).ravel()
+                self.memory.count(pieces.astype(np.uint64), 16, np.zeros(len(pieces), np.int64))
+            written = self.shared._index(target[thread:thread + 1], tile.nbytes, 1)[0]
+            np.add.at(self.shared.in_flight, written, 1)
+            self._barrier(int(barrier[thread]))["copies"].append((written, tile.view(np.uint8).ravel()))
+
+    def _barrier(self, address: int) -> dict:
+        if address not in self.barriers:
+            raise RuntimeError(f"an mbarrier at shared {hex(address)} used before mbarrier.init")
+        return self.barriers[address]
+
+    def mbarrier(self, parts: list[str], ops: list[str], threads: np.ndarray) -> None:
+        """mbarrier.init [b], count; mbarrier.arrive.expect_tx _, [b], bytes (an arrival that also
+        expects `bytes` of copies); mbarrier.try_wait.parity done, [b], parity (whether the phase of
+        that parity has completed); mbarrier.inval [b]. A phase completes when its arrivals are in
+        and its copies have landed; here the copies land when a thread waits on it."""
+        operation = parts[1] if parts[1] != "try_wait" or "parity" in parts else "try_wait without parity"
+        at = ops[0] if operation in ("init", "inval") else ops[1]
+        addresses = self.address(at)
+        if operation == "init":
+            for thread in np.flatnonzero(threads):
+                count = int(self.value(ops[1])[thread])
+                self.barriers[int(addresses[thread])] = dict(count=count, pending=count, expected=0, phase=0, copies=[])
+        elif operation == "inval":
+            for address in np.unique(addresses[threads]):
+                if self._barrier(int(address))["copies"]:
+                    raise MemoryError("an mbarrier invalidated with a TMA copy on it in flight")
+                del self.barriers[int(address)]
+        elif operation == "arrive":
+            for thread in np.flatnonzero(threads):
+                barrier = self._barrier(int(addresses[thread]))
+                barrier["pending"] -= 1
+                barrier["expected"] += int(self.value(ops[2])[thread]) if "expect_tx" in parts else 0
+        elif operation == "try_wait":
+            done = np.zeros(self.threads, bool)
+            parity = self.value(ops[2]) & np.uint64(1)
+            for address in np.unique(addresses[threads]):
+                barrier, mine = self._barrier(int(address)), threads & (addresses == address)
+                if np.all((barrier["phase"] & 1) != parity[mine]):  # that phase is over: the wait returns at once, landing nothing
+                    done[mine] = True
+                    continue
+                for written, data in barrier["copies"]:
+                    self.shared.bytes[written] = data
+                    np.subtract.at(self.shared.in_flight, written, 1)
+                    barrier["expected"] -= len(data)
+                barrier["copies"] = []
+                if barrier["expected"] < 0:
+                    raise MemoryError("TMA copies landed more bytes on an mbarrier than its arrivals expected")
+                if barrier["pending"] <= 0 and barrier["expected"] == 0:  # the phase completes; the next awaits all its arrivals
+                    barrier.update(phase=barrier["phase"] + 1, pending=barrier["count"])
+                done[mine] = (barrier["phase"] & 1) != parity[mine]
+            if not done[threads].any():  # in lockstep every thread is here: nothing else could arrive
+                raise RuntimeError("an mbarrier wait that never completes (its phase lacks arrivals or expected bytes)")
+            self.write(ops[0], done, None if threads.all() else threads)
+        else:
+            raise NotImplementedError(f"the emulator has no mbarrier.{operation}")
 
     def matrix(self, load: bool, parts: list[str], ops: list[str], active: np.ndarray | None) -> None:
         """ldmatrix / stmatrix of 8x8 b16 matrices: a thread's word i is row t // 4, columns
@@ -701,13 +834,14 @@ def run(asm: str, constraints: str, inputs: list[int | float]) -> list[int | flo
     return [reader[kind](block.regs[f"${i}"]) for i, kind in enumerate(outputs)]
 
 
-def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffic: dict | None = None, read_only: tuple[int, ...] = ()) -> None:
+def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int | TensorMap], traffic: dict | None = None, read_only: tuple[int, ...] = ()) -> None:
     """A compiled kernel's every block (`grid`: blocks along x, y, z), one after another, on `args` (numpy arrays for its
     pointers, written back in place; ints for its integers) in its parameter order. Parameters
     past `args` (Triton's scratch pointers) are null. With a `traffic` dict, its global reads
     are counted into it, by the index of the array among `args`' arrays (`Memory.count`; the
     distinct sectors as bytes). `read_only`: indices of those arrays no kernel before this one
-    writes, which it may read before its griddepcontrol.wait."""
+    writes, which it may read before its griddepcontrol.wait. A `TensorMap` in `args` stands for
+    a tensor descriptor of one of the arrays."""
     entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", ptx)
     names = re.findall(r"\.param\s+[^\n]*?(\w+_param_\d+)", entry.group(2))
     threads = int(re.search(r"\.reqntid\s+(\d+)", ptx).group(1))
@@ -719,11 +853,19 @@ def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int], traffi
     memory = Memory(arrays)
     memory.traffic = traffic
     pointer = iter(memory.addresses)
-    values = [next(pointer) if isinstance(a, np.ndarray) else int(a) & 0xFFFFFFFF for a in args]
+    values, maps = [], {}
+    for a in args:
+        if isinstance(a, TensorMap):  # the descriptor (a handle to its map, here), then the array's shape and strides
+            mapped = args[a.array]
+            handle = TENSOR_MAPS + 128 * len(maps)
+            maps[handle] = (sum(isinstance(b, np.ndarray) for b in args[:a.array]), mapped, a.box)
+            values += [handle, *mapped.shape, *(stride // mapped.itemsize for stride in mapped.strides)]
+        else:
+            values.append(next(pointer) if isinstance(a, np.ndarray) else int(a) & 0xFFFFFFFF)
     params = {name: values[i] if i < len(values) else 0 for i, name in enumerate(names)}
     for block in itertools.product(*(range(n) for n in grid)):
         # Triton's shared memory is `extern` (sized at launch): give the most a block may have on sm_90
-        Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0, read_only=read_only).execute(body)
+        Block(threads, memory, params, block, grid, shared_bytes=232448 if shared else 0, read_only=read_only, maps=maps).execute(body)
     memory.read_back(arrays)
     for entry in (traffic or {}).values():
         if "distinct" in entry:

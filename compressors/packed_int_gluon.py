@@ -54,8 +54,10 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from compressors.packed_int import _DOT4_PTX, HALF2_NIBBLES4, PREFETCH_L2, pdl_launch  # (_DOT4_PTX, HALF2=0: the grid GEMV's decode and 8 fp32 FMAs)
+from compressors.packed_int import _DOT4_PTX, HALF2_NIBBLES4, PREFETCH_L2, _capability, pdl_launch  # (_DOT4_PTX, HALF2=0: the grid GEMV's decode and 8 fp32 FMAs)
 
 PAIR_LO = gl.constexpr("prmt.b32 $0, $1, $2, 0x5410;")  # (x_2i, x_2i+1), (x_2i+4, x_2i+5) -> (x_2i, x_2i+4)
 PAIR_HI = gl.constexpr("prmt.b32 $0, $1, $2, 0x7632;")  # -> (x_2i+1, x_2i+5)
@@ -100,6 +102,10 @@ _PREFETCH_L2 = gl.constexpr(PREFETCH_L2)
 # Triton 3.9's names; 3.6's (the GPU images'): thread_barrier, async_copy_global_to_shared
 _block_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 copy_to_shared = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared  # cp.async, global to shared
+tma_to_shared = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # a tile by the copy engine (TMA), global to shared
+# a TMA ring's tiles as the copy engine writes them: row-major, unswizzled (a warp's 32 runs of a
+# row are 512 contiguous bytes, read back in the minimum 4 wavefronts with no swizzle)
+TMA_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 # a programmatic dependent's wait for the kernel before it (complete, its writes visible), then
 # the next kernel let launch; as packed_int's grid kernels do with Triton's gdc_wait and
 # gdc_launch_dependents, which Gluon lacks. $0: an inline asm needs a result.
@@ -199,46 +205,68 @@ def _x_to_shared(xq_ptr, ITERS: gl.constexpr, TILES: gl.constexpr, WARPS: gl.con
 
 @gluon.jit
 def _words_ring(words_at, scales_at, stride_pn, stride_sn, first, programs, tiles, BLOCK_N: gl.constexpr, WORDS: gl.constexpr,
-                STAGES: gl.constexpr, ITERS: gl.constexpr, GROUP: gl.constexpr):
-    """A ring of STAGES tiles of words in shared memory, its first STAGES - 1 tiles asked for (one
-    cp.async group each). Each thread copies the 16-byte runs it will read itself (the words' own
-    layout), so the bytes in flight sit in shared memory, not in registers: Nsight Compute found
-    the register-streamed launches at 26-29 warps an SM and 43-49% of DRAM peak, waiting on
-    memory, where cuBLAS's fp16 GEMV reaches 80% from a shared-memory ring
-    (benchmarks/results/gpu_h200.md)."""
-    ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                STAGES: gl.constexpr, ITERS: gl.constexpr, GROUP: gl.constexpr, TMA: gl.constexpr):
+    """A ring of STAGES tiles of words in shared memory, its first STAGES - 1 tiles asked for: (the
+    tiles, each tile's barrier). By cp.async (one group a tile), each thread copying the 16-byte
+    runs it will read itself (the words' own layout), so the bytes in flight sit in shared
+    memory, not in registers: Nsight Compute found the register-streamed launches at 26-29 warps
+    an SM and 43-49% of DRAM peak, waiting on memory, where cuBLAS's fp16 GEMV reaches 80% from a
+    shared-memory ring filled by the copy engine (benchmarks/results/gpu_h200.md). With TMA, as
+    cuBLAS's: one thread asks for a whole tile (words_at: the words' tensor descriptor), which
+    lands on the tile's mbarrier, so a tile costs one instruction, not one a thread and row."""
+    if TMA:
+        tiles_of_words = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], TMA_LAYOUT)
+        landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(landed.index(i), count=1)
+        fence_async_shared()  # the barriers' initialization, seen by the copy engine
+    else:
+        tiles_of_words = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        landed = tiles_of_words  # (unused: a thread waits for its own cp.async groups)
+    ring = (tiles_of_words, landed)
     for i in gl.static_range(STAGES - 1):
-        _ask_words(ring.index(i), words_at, scales_at, stride_pn, stride_sn, i, first, programs, tiles, BLOCK_N, WORDS, ITERS, GROUP)
+        _ask_words(ring, i, words_at, scales_at, stride_pn, stride_sn, i, first, programs, tiles, BLOCK_N, WORDS, ITERS, GROUP, TMA)
     return ring
 
 
 @gluon.jit
-def _ask_words(tile, words_at, scales_at, stride_pn, stride_sn, j, first, programs, tiles, BLOCK_N: gl.constexpr, WORDS: gl.constexpr,
-               ITERS: gl.constexpr, GROUP: gl.constexpr):
-    """Tile j of this program's words copied into `tile` (cp.async, 16 bytes a thread and row), as
-    one group, and their scales asked into L2, so the loop's load of them STAGES - 1 tiles on does
-    not wait on device memory. A program's tiles run along its blocks of rows in turn (blocks
-    first, first + programs, ..., ITERS tiles each), so one ring streams on across them. words_at
-    and scales_at: each thread's runs and their scales in tile 0 of block 0; a tile adds one
-    offset, the same for every thread. Past the program's last tile (`tiles`) the group is empty,
-    and the addresses stay those of the last."""
+def _ask_words(ring, slot, words_at, scales_at, stride_pn, stride_sn, j, first, programs, tiles, BLOCK_N: gl.constexpr, WORDS: gl.constexpr,
+               ITERS: gl.constexpr, GROUP: gl.constexpr, TMA: gl.constexpr):
+    """Tile j of this program's words asked into the ring's `slot`, and their scales into L2, so
+    the loop's load of them STAGES - 1 tiles on does not wait on device memory. A program's tiles
+    run along its blocks of rows in turn (blocks first, first + programs, ..., ITERS tiles each),
+    so one ring streams on across them. By cp.async: 16 bytes a thread and row, as one group;
+    words_at and scales_at: each thread's runs and their scales in tile 0 of block 0 (a tile adds
+    one offset, the same for every thread); past the program's last tile (`tiles`) the group is
+    empty, and the addresses stay those of the last. By TMA: the tile at its row and word, its
+    bytes expected on the slot's barrier; past the last tile, neither."""
     asked = gl.minimum(j, tiles - 1)
     row = (first + asked // ITERS * programs) * BLOCK_N
     u0 = asked % ITERS * WORDS
-    copy_to_shared(tile, words_at + (row * stride_pn + u0), mask=gl.full(words_at.shape, j, gl.int32, words_at.type.layout) < tiles)  # (one value: the runs stay 16-byte copies)
-    async_copy.commit_group()
+    if TMA:
+        mbarrier.expect(ring[1].index(slot), BLOCK_N * WORDS * 4, pred=j < tiles)
+        tma_to_shared(words_at, [row, u0], ring[1].index(slot), ring[0].index(slot), pred=j < tiles)
+    else:
+        copy_to_shared(ring[0].index(slot), words_at + (row * stride_pn + u0),
+                       mask=gl.full(words_at.shape, j, gl.int32, words_at.type.layout) < tiles)  # (one value: the runs stay 16-byte copies)
+        async_copy.commit_group()
     gl.inline_asm_elementwise(_PREFETCH_L2, "=r,l", [scales_at + (row * stride_sn + u0 // (GROUP // 8))], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _next_words(ring, words_at, scales_at, stride_pn, stride_sn, j, first, programs, tiles, LW: gl.constexpr, BLOCK_N: gl.constexpr,
-                WORDS: gl.constexpr, STAGES: gl.constexpr, ITERS: gl.constexpr, GROUP: gl.constexpr):
+                WORDS: gl.constexpr, STAGES: gl.constexpr, ITERS: gl.constexpr, GROUP: gl.constexpr, TMA: gl.constexpr):
     """This program's tile j of words, from the ring, after asking for its tile STAGES - 1 ahead
-    into the slot this thread read last iteration."""
-    _ask_words(ring.index((j + STAGES - 1) % STAGES), words_at, scales_at, stride_pn, stride_sn, j + STAGES - 1, first, programs, tiles,
-               BLOCK_N, WORDS, ITERS, GROUP)
-    async_copy.wait_group(STAGES - 1)  # this thread's copies of tile j have landed
-    return ring.index(j % STAGES).load(LW)
+    into the slot read last iteration (by TMA once every thread has read it: Triton's barrier pass
+    puts a barrier and an async-proxy fence before the copy, as it does before any write to
+    shared memory that other threads read)."""
+    _ask_words(ring, (j + STAGES - 1) % STAGES, words_at, scales_at, stride_pn, stride_sn, j + STAGES - 1, first, programs, tiles,
+               BLOCK_N, WORDS, ITERS, GROUP, TMA)
+    if TMA:
+        mbarrier.wait(ring[1].index(j % STAGES), j // STAGES & 1)  # tile j's bytes have landed
+    else:
+        async_copy.wait_group(STAGES - 1)  # this thread's copies of tile j have landed
+    return ring[0].index(j % STAGES).load(LW)
 
 
 @gluon.jit
@@ -271,10 +299,11 @@ def _rows(column, like):
 
 
 @gluon.jit
-def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
+def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn, words_desc,
                GROUP: gl.constexpr, HALF2: gl.constexpr, ROWS: gl.constexpr, WARPS_N: gl.constexpr, PREFETCH: gl.constexpr,
                XVEC: gl.constexpr, WARPS: gl.constexpr, INTERLEAVED: gl.constexpr = 0, VEC: gl.constexpr = 4, PDL: gl.constexpr = False,
-               XSMEM: gl.constexpr = 0, ITERS: gl.constexpr = 0, STAGES: gl.constexpr = 0):
+               XSMEM: gl.constexpr = 0, ITERS: gl.constexpr = 0, STAGES: gl.constexpr = 0, TMA: gl.constexpr = 0):
+    # words_desc: with TMA, the words' tensor descriptor (blocks of BLOCK_N x WORDS), else None
     # a thread: ROWS rows x runs of 4 consecutive words (a 16-byte load a row); a warp: 32 threads along
     # the words; warps over rows x words. The block is VEC // 4 such tiles along the words, so with
     # VEC 8 a thread's second run lies a tile's width (128 x warps along K words) after its first:
@@ -291,10 +320,13 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
         programs = gl.num_programs(0)  # the grid may be smaller than the blocks of rows (`Launch.persist`): a program takes every programs-th
         tiles = (N // BLOCK_N - first + programs - 1) // programs * ITERS
         rf, runs = _runs(LF, BLOCK_N, WORDS)  # (a word's scale is its run's)
-        words_at = packed_ptr + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW)) * stride_pn, 1) + gl.expand_dims(
-            gl.arange(0, WORDS, layout=gl.SliceLayout(0, LW)), 0)
+        if TMA:
+            words_at = words_desc
+        else:
+            words_at = packed_ptr + gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LW)) * stride_pn, 1) + gl.expand_dims(
+                gl.arange(0, WORDS, layout=gl.SliceLayout(0, LW)), 0)
         scales_at = scale_ptr + gl.expand_dims(rf * stride_sn, 1) + gl.expand_dims(runs // (GROUP // 8), 0)  # (a hint, exact for groups of 32-128 and per channel)
-        ring = _words_ring(words_at, scales_at, stride_pn, stride_sn, first, programs, tiles, BLOCK_N, WORDS, STAGES, ITERS, GROUP)
+        ring = _words_ring(words_at, scales_at, stride_pn, stride_sn, first, programs, tiles, BLOCK_N, WORDS, STAGES, ITERS, GROUP, TMA)
         if PDL:
             await_predecessor(WARPS)
     else:
@@ -323,18 +355,18 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn,
     if STAGES:
         for t in range(0, tiles // ITERS):
             _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_sn, first + t * programs, t * ITERS, first, programs, tiles,
-                          ring, words_at, scales_at, x_shared, w, s, LW, BLOCK_N, WORDS, GROUP, HALF2, PREFETCH, XVEC, WARPS, WARPS_N, INTERLEAVED, XSMEM, ITERS, STAGES)
+                          ring, words_at, scales_at, x_shared, w, s, LW, BLOCK_N, WORDS, GROUP, HALF2, PREFETCH, XVEC, WARPS, WARPS_N, INTERLEAVED, XSMEM, ITERS, STAGES, TMA)
         async_copy.wait_group(0)  # the loop's last asks (empty groups) before the ring's memory is let go
     else:
         _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_sn, first, 0, first, programs, tiles,
-                      ring, words_at, scales_at, x_shared, w, s, LW, BLOCK_N, WORDS, GROUP, HALF2, PREFETCH, XVEC, WARPS, WARPS_N, INTERLEAVED, XSMEM, ITERS, STAGES)
+                      ring, words_at, scales_at, x_shared, w, s, LW, BLOCK_N, WORDS, GROUP, HALF2, PREFETCH, XVEC, WARPS, WARPS_N, INTERLEAVED, XSMEM, ITERS, STAGES, TMA)
 
 
 @gluon.jit
 def _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_sn, block, j0, first, programs, tiles, ring, words_at,
                   scales_at, x_shared, w, s, LW: gl.constexpr, BLOCK_N: gl.constexpr, WORDS: gl.constexpr, GROUP: gl.constexpr, HALF2: gl.constexpr, PREFETCH: gl.constexpr, XVEC: gl.constexpr,
                   WARPS: gl.constexpr, WARPS_N: gl.constexpr, INTERLEAVED: gl.constexpr, XSMEM: gl.constexpr, ITERS: gl.constexpr,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, TMA: gl.constexpr):
     """y for one block of rows: its words (from the ring from this program's tile j0 on, or loaded,
     the first iteration's already in w and s where PREFETCH) times x, summed along K."""
     # x pairs [units, 4]: a run's 4 units x 4 pairs, contiguous along the pairs (unit order) or along the units (interleaved)
@@ -355,7 +387,7 @@ def _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_
         units = u0 + ru
         if STAGES:
             w_now = _next_words(ring, words_at, scales_at, stride_pn, stride_sn, j0 + u0 // WORDS, first, programs, tiles, LW, BLOCK_N, WORDS,
-                                STAGES, ITERS, GROUP)
+                                STAGES, ITERS, GROUP, TMA)
             s_now = gl.load(s_rows + gl.expand_dims(units // (GROUP // 8), 0))
         elif PREFETCH:  # this block's words came last iteration; the next block's load now (the last block re-reads itself)
             w_now = w
@@ -421,6 +453,7 @@ class Launch(NamedTuple):
     maxnreg: int = 0  # registers a thread at most (0: as ptxas allocates), where fewer fit another block on each SM
     stages: int = 0  # the words through a ring of this many tiles in shared memory (`_words_ring`; 0: loaded into registers); at most 32 KiB in LAUNCHES
     persist: int = 0  # with a ring: programs an SM, each taking every grid-th block of rows through one ring and one copy of x (0: a program a block)
+    tma: int = 0  # with a ring: its tiles copied by the copy engine (TMA), a tile an instruction, not by each thread's cp.async
 
     @property
     def block_n(self) -> int:
@@ -434,7 +467,7 @@ class Launch(NamedTuple):
         return (f"{('fp32', 'half2', 'half2 pairs')[self.half2]} {self.block_n}x{self.words} ({self.rows} row{'s' if self.rows > 1 else ''} x {self.vec} words "
                 f"a thread), {self.warps} warp{'s' if self.warps > 1 else ''}" + (", prefetch" if self.prefetch else "") + (", x in shared memory" if self.xsmem else "" if self.xvec else ", x by 4-byte loads")
                 + (f", at most {self.maxnreg} registers" if self.maxnreg else "") + (f", {self.stages}-stage ring" if self.stages else "")
-                + (f", {self.persist} programs an SM" if self.persist else ""))
+                + (f", {self.persist} programs an SM" if self.persist else "") + (", by TMA" if self.tma else ""))
 
 
 LAUNCHES = [Launch(*shape) for shape in [
@@ -450,6 +483,8 @@ LAUNCHES = [Launch(*shape) for shape in [
     (2, 2, 4, 0, 1, 4, 4, 1, 0, 4), (2, 2, 8, 0, 1, 8, 4, 1, 0, 4), (2, 4, 4, 0, 1, 4, 4, 0, 0, 3),
     (1, 2, 2, 0, 0, 4, 4, 0, 0, 8, 4), (2, 2, 2, 0, 0, 4, 4, 0, 0, 8, 4), (1, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3), (2, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3),
     (2, 4, 4, 0, 1, 4, 4, 1, 0, 4, 3), (1, 2, 8, 0, 1, 8, 4, 1, 0, 4, 2), (1, 2, 1, 0, 1, 1, 4, 0, 0, 8, 16), (2, 4, 1, 0, 1, 1, 4, 0, 0, 4, 16),
+    (1, 2, 2, 0, 0, 4, 4, 0, 0, 8, 4, 1), (2, 2, 2, 0, 0, 4, 4, 0, 0, 8, 4, 1), (1, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3, 1), (2, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3, 1),
+    (2, 4, 4, 0, 1, 4, 4, 1, 0, 4, 3, 1), (1, 2, 8, 0, 1, 8, 4, 1, 0, 4, 2, 1),
     (0, 1, 4, 0, 1, 4), (0, 2, 4, 0, 1, 4), (0, 4, 4, 0, 1, 4), (0, 1, 8, 0, 1, 8), (0, 2, 8, 0, 1, 8), (0, 1, 4, 0, 1, 4, 8),
 ]]
 
@@ -457,11 +492,12 @@ LAUNCHES = [Launch(*shape) for shape in [
 def run(x, weight, y, launch: Launch):
     """y = x @ weight^T (x: [1, K] fp16) for a weight that `fits` the launch, in either layout
     (its `interleaved` flag)."""
+    words_desc = TensorDescriptor.from_tensor(weight.packed, [launch.block_n, launch.words], TMA_LAYOUT) if launch.tma else None
     gemv_gluon[grid(launch, weight.rows, _sm_count(x.device.index))](x, weight.packed, weight.scale, y, weight.rows, weight.columns, weight.packed.stride(0),
-                                                 weight.scale.stride(0), GROUP=weight.group_size, HALF2=launch.half2, ROWS=launch.rows,
+                                                 weight.scale.stride(0), words_desc, GROUP=weight.group_size, HALF2=launch.half2, ROWS=launch.rows,
                                                  WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec, WARPS=launch.warps,
                                                  INTERLEAVED=int(weight.interleaved), VEC=launch.vec, XSMEM=launch.xsmem,
-                                                 ITERS=iterations(launch, weight.columns), STAGES=launch.stages, num_warps=launch.warps,
+                                                 ITERS=iterations(launch, weight.columns), STAGES=launch.stages, TMA=launch.tma, num_warps=launch.warps,
                                                  **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}), **pdl_launch(x.device))
     return y
 
@@ -500,10 +536,12 @@ def _sm_count(device: int) -> int:
 def fits(weight, launch: Launch) -> bool:
     """Whether `launch` computes x @ weight^T: a symmetric 4-bit grid (no codebook, no 2:4) whose
     groups hold whole words (pairs of words for HALF2=2; per-channel too), rows a whole number of the launch's blocks and K
-    of its blocks along K (the kernel has no masks); x in shared memory at most X_SHARED_BYTES."""
+    of its blocks along K (the kernel has no masks); x in shared memory at most X_SHARED_BYTES; by
+    TMA, words whose rows start 16-byte aligned (the copy engine's rule), a tile at most 256 x 256."""
     plain = weight.bits == 4 and weight.zero is None and weight.codebook is None and weight.bitmask is None and weight.scale is not None
     return (plain and weight.group_size % (16 if launch.half2 == 2 else 8) == 0 and weight.columns % weight.group_size == 0 and weight.rows % launch.block_n == 0
-            and weight.columns % (8 * launch.words) == 0 and (not launch.xsmem or weight.columns * 2 <= X_SHARED_BYTES))
+            and weight.columns % (8 * launch.words) == 0 and (not launch.xsmem or weight.columns * 2 <= X_SHARED_BYTES)
+            and (not launch.tma or (weight.packed.stride(0) % 4 == 0 and weight.packed.data_ptr() % 16 == 0 and max(launch.block_n, launch.words) <= 256)))
 
 
 X_SHARED_BYTES = 96 * 1024  # x held in shared memory, at most: K up to 49152 (sm_90 gives a block up to 227 KiB)
@@ -534,7 +572,8 @@ def served_launch(x: torch.Tensor, weight, grid_gemv) -> Launch | None:
         return None
     key = _key(x, weight)
     if key not in _PICKS:
-        _PICKS[key] = _fastest(x, weight, grid_gemv, [launch for launch in SERVED if fits(weight, launch)])
+        hopper = _capability(x.device.index) >= (9, 0)  # TMA and mbarrier transaction counts: sm_90 on
+        _PICKS[key] = _fastest(x, weight, grid_gemv, [launch for launch in SERVED if fits(weight, launch) and (hopper or not launch.tma)])
     return _PICKS[key]
 
 

@@ -871,6 +871,89 @@ def test_ptx_emulator_lands_async_copies_at_their_wait(wait, access):
     np.testing.assert_array_equal(out, expected)
 
 
+# a TMA copy of a 4 x 32 tile of a [6, 40] int32 array (its pointer, then its descriptor, as the
+# Gluon GEMV takes them) at (row 3, column 16) into shared memory, on
+# an mbarrier that expects EXPECTED bytes, waited for with PARITY; then each of 32 threads copies
+# its 16 bytes of the tile to out (the tile's rows past 6 and columns past 40 are zeros)
+_TMA_PTX = """.extern .shared .align 16 .b8 global_smem[];
+.visible .entry tma(.param .u64 tma_param_0, .param .align 64 .b8 tma_param_1[128], .param .u32 tma_param_2, .param .u32 tma_param_3,
+    .param .u64 tma_param_4, .param .u64 tma_param_5, .param .u64 tma_param_6)
+.reqntid 32
+{
+    .reg .pred %p<2>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<8>;
+    mov.b32 %r10, tma_param_1;
+    cvt.u64.u32 %rd6, %r10;
+    cvta.param.u64 %rd7, %rd6;
+    ld.param.b64 %rd2, [tma_param_6];
+    mov.u32 %r1, %tid.x;
+    mov.b32 %r3, global_smem;
+    add.s32 %r4, %r3, 512;
+    elect.sync %r9|%p1, -1;
+    @%p1 mbarrier.init.shared::cta.b64 [%r4], 1;
+    fence.proxy.async.shared::cta;
+    bar.sync 0;
+    @%p1 mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r4], EXPECTED;
+    mov.b32 %r5, 16;
+    mov.b32 %r6, 3;
+    @%p1 cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes [%r3], [%rd7, {%r5, %r6}], [%r4];
+    mov.b32 %r7, PARITY;
+    {
+    .reg .pred complete;
+    waitLoop:
+    mbarrier.try_wait.parity.shared::cta.b64 complete, [%r4], %r7;
+    @!complete bra.uni waitLoop;
+    }
+    shl.b32 %r2, %r1, 4;
+    add.s32 %r8, %r3, %r2;
+    ld.shared.v4.b32 {%r5, %r6, %r7, %r11}, [%r8];
+    mul.wide.u32 %rd3, %r1, 16;
+    add.s64 %rd5, %rd2, %rd3;
+    st.global.v4.b32 [%rd5 + 0], {%r5, %r6, %r7, %r11};
+    ret;
+}
+"""
+
+
+@pytest.mark.parametrize("case", ["lands", "wrong parity", "fewer bytes expected", "more bytes expected", "never waited", "before the wait"])
+def test_ptx_emulator_lands_tma_copies_on_their_mbarrier(case):
+    """A TMA copy (cp.async.bulk.tensor, the Gluon GEMV's TMA rings) copies its tile, zeros past
+    the array's edges, and lands when a wait on its mbarrier's phase completes, which takes the
+    arrivals and all the bytes they expect. A wait for a phase already over returns at once, so a
+    load of the tile then raises (on a GPU it reads bytes the copy may not have written yet); a
+    phase whose bytes do not add up never completes, or is overrun; a block that exits with a copy
+    in flight, or copies an array that is not read-only before griddepcontrol.wait, raises."""
+    import numpy as np
+    from benchmarks.ptx_emulator import TensorMap, launch
+
+    array = np.arange(6 * 40, dtype=np.int32).reshape(6, 40)
+    out = np.zeros((4, 32), np.int32)
+    kernel = _TMA_PTX.replace("EXPECTED", "512").replace("PARITY", "0")
+    if case == "lands":
+        launch(kernel, (1,), [array, TensorMap(0, (4, 32)), out])
+        expected = np.zeros((4, 32), np.int32)
+        expected[:3, :24] = array[3:, 16:]
+        np.testing.assert_array_equal(out, expected)
+        return
+    raised = {"wrong parity": (MemoryError, "in flight"), "fewer bytes expected": (MemoryError, "more bytes"),
+              "more bytes expected": (RuntimeError, "never completes"), "never waited": (MemoryError, "exits with a TMA copy in flight"),
+              "before the wait": (MemoryError, "before griddepcontrol.wait")}
+    if case == "wrong parity":
+        kernel = kernel.replace("mov.b32 %r7, 0;", "mov.b32 %r7, 1;")
+    elif case.endswith("bytes expected"):
+        kernel = kernel.replace("_, [%r4], 512;", "_, [%r4], 256;" if case.startswith("fewer") else "_, [%r4], 1024;")
+    elif case == "never waited":
+        kernel = kernel[:kernel.index("    mov.b32 %r7")] + "    ret;\n}\n"
+    else:
+        kernel = kernel.replace("    @%p1 cp.async.bulk", "    griddepcontrol.wait;\n    @%p1 cp.async.bulk")
+        launch(kernel, (1,), [array, TensorMap(0, (4, 32)), out], read_only=(0,))  # a weight's copy may go first
+        kernel = kernel.replace("    griddepcontrol.wait;\n    @%p1 cp.async.bulk", "    @%p1 cp.async.bulk").replace("    mov.b32 %r7", "    griddepcontrol.wait;\n    mov.b32 %r7")
+    error, message = raised[case]
+    with pytest.raises(error, match=message):
+        launch(kernel, (1,), [array, TensorMap(0, (4, 32)), out])
+
+
 # each of 32 threads prefetches its x[lane], waits for the kernel before (griddepcontrol.wait),
 # copies x[lane] to out[lane] and lets the next kernel launch: a programmatic dependent's order
 _DEPENDENT_PTX = _warp_kernel("dependent", """
