@@ -233,7 +233,8 @@ def main() -> None:
         group = [r for r in rows if r["shape"] == shape]
         by_name = {str(launch): launch for launch in LAUNCHES}
         kinds = {"half2": lambda launch: launch.half2, "fp32": lambda launch: not launch.half2,
-                 "ring": lambda launch: launch.stages and not launch.persist, "persistent ring": lambda launch: launch.persist}
+                 "ring": lambda launch: launch.stages and not launch.persist, "persistent ring": lambda launch: launch.persist and not launch.tma,
+                 "TMA ring": lambda launch: launch.tma}
         for kind, chosen in kinds.items():
             best = min((r for r in group if chosen(by_name[r["launch"]])), key=lambda r: r["us"], default=None)
             if best:

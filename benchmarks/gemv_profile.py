@@ -24,12 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # (shape, Launch fields): per shape the fastest timed launch on an H200 (stop 69), its "pairs"
 # twin (HALF2=2), a twin that streams its words through a ring in shared memory (`stages`), and
-# at the large shapes persistent rings (a few programs an SM, x copied once a program)
+# at the large shapes persistent rings (a few programs an SM, x copied once a program), by
+# cp.async and by TMA
 PROFILED = [
     ("14336x4096", (1, 2, 8, 0, 1, 8, 4, 1)), ("14336x4096", (2, 2, 8, 0, 1, 8, 4, 1)), ("14336x4096", (2, 2, 8, 0, 1, 8, 4, 1, 0, 4)),
-    ("14336x4096", (2, 4, 4, 0, 1, 4, 4, 1, 0, 4, 3)),
+    ("14336x4096", (2, 4, 4, 0, 1, 4, 4, 1, 0, 4, 3)), ("14336x4096", (2, 4, 4, 0, 1, 4, 4, 1, 0, 4, 3, 1)),
     ("4096x14336", (1, 2, 2, 0, 0, 4)), ("4096x14336", (2, 2, 2, 0, 0, 4)), ("4096x14336", (1, 2, 2, 0, 0, 4, 4, 0, 0, 8)),
     ("4096x14336", (1, 2, 2, 0, 0, 4, 4, 0, 0, 8, 4)), ("4096x14336", (2, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3)), ("4096x14336", (1, 2, 1, 0, 1, 1, 4, 0, 0, 8, 16)),
+    ("4096x14336", (2, 2, 4, 0, 1, 4, 4, 1, 0, 8, 3, 1)),
     ("4096x4096", (1, 2, 2, 0, 1, 4, 4, 1)), ("4096x4096", (1, 2, 2, 0, 1, 4, 4, 1, 0, 4)),
 ]
 

@@ -105,7 +105,7 @@ if [[ " $STEPS " == *" profile "* ]]; then
         python3 benchmarks/gemv_profile.py >>"$LOG" 2>&1 || { status=1; tail -30 "$LOG"; }
     "$NCU" --import "$OUT/gemv_profile.ncu-rep" --page details --csv >"$OUT/gemv_profile_details.csv" 2>>"$LOG" || status=1
     "$NCU" --import "$OUT/gemv_profile.ncu-rep" --page raw --csv >"$OUT/gemv_profile_raw.csv" 2>>"$LOG" || status=1
-    grep -E "^profiled:" "$LOG" | tail -8
+    grep -E "^profiled:" "$LOG" | tail -10
 fi
 for step in latency decode; do
     [[ " $STEPS " == *" $step "* ]] || continue

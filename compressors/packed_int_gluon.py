@@ -37,7 +37,9 @@ and the first asks go out before the wait for the kernel ahead. A persistent lau
 a few programs an SM) streams every block of rows it takes through one ring, asking for its
 next block's first words while it sums this one's last, and copies x once for all of them.
 Triton's barrier pass puts two barriers an iteration around the ring's slots (the data is each
-thread's own, which the pass cannot see). Untimed on a GPU yet.
+thread's own, which the pass cannot see). TMA launches (`tma`) fill a persistent ring with the
+copy engine instead, as cuBLAS's fp16 GEMV does: one thread asks for a whole tile, which lands on
+its slot's mbarrier, and every thread waits on that. Untimed on a GPU yet.
 
 No interpreter runs Gluon: the kernel runs only on a GPU, and here through its compiled PTX in
 benchmarks/ptx_emulator.py (`benchmarks/gemv_gluon.py --emulate`, and a test).
@@ -502,8 +504,9 @@ def run(x, weight, y, launch: Launch):
     return y
 
 
-# The launches `served_launch` times against the grid GEMV: every half2 one (48, the pairs,
-# rings and persistent rings among them; a layer shape's first call compiles and times them). Not only those whose loops compiled shortest
+# The launches `served_launch` times against the grid GEMV: every half2 one (54, the pairs,
+# rings, persistent rings and TMA rings among them; a layer shape's first call compiles and times
+# them, the TMA rings on sm_90 and later only). Not only those whose loops compiled shortest
 # for sm_90 (no prefetch, 16-byte x loads; benchmarks/results/gemv_gluon_sass.md): on an H200 the
 # fastest interleaved launch at 4096x4096 and 4096x14336 loads x in 4 bytes, and the next one
 # prefetches (benchmarks/results/gpu_h200.md).

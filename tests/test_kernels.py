@@ -732,7 +732,7 @@ def test_gluon_gemv_rings_wrap_around(tmp_path):
     as compiled for sm_90 on a weight wide enough that each ring wraps (18432 columns: 9 to 18
     iterations against rings of 3 to 8 stages), so a slot is refilled after it was read: y within
     fp16 rounding of the reference, in both layouts and per channel. The persistent ones (a
-    persistent launch is a ring's) run on 96 rows and one emulated multiprocessor, so each has
+    persistent launch is a ring's; the TMA rings are persistent) run on 96 rows and one emulated multiprocessor, so each has
     programs that stream two or more blocks of rows through one ring, wrapping it (a block left
     out shows as NaN, one taken for another as error). (At 4096 columns, in the test above, the
     last asks fall past the row and are masked.)"""
