@@ -584,8 +584,8 @@ class Block:
             index, array, (box_rows, box_columns) = self.maps[int(self.value(handle)[thread])]
             if self.awaiting and index not in self.read_only:
                 raise MemoryError("a TMA copy before griddepcontrol.wait of an array the kernel before may write")
-            if target[thread] % 16:
-                raise MemoryError(f"a TMA copy into shared memory at {hex(int(target[thread]))}: not 16-byte aligned")
+            if target[thread] % 128:  # (the CUDA guide's rule for tensor copies; 16 bytes for plain bulk copies)
+                raise MemoryError(f"a TMA copy into shared memory at {hex(int(target[thread]))}: not 128-byte aligned")
             row, column, size = int(rows[thread]), int(columns[thread]), array.itemsize
             tile = np.zeros((box_rows, box_columns), array.dtype)
             inside = array[max(row, 0):max(row + box_rows, 0), max(column, 0):max(column + box_columns, 0)]
