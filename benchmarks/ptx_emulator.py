@@ -299,6 +299,9 @@ class Block:
         self.threads, self.memory, self.params = threads, memory, params or {}
         self.maps = maps or {}  # a TensorMap's parameter value: (its array's index among the memory's, the array, the box)
         self.barriers: dict[int, dict] = {}  # mbarriers by shared address: count, arrivals pending, bytes expected, phase, TMA copies on it
+        # with TMA copies: shared bytes loaded since the last barrier, which a TMA copy must not
+        # overwrite (in lockstep every load is done by then; on a GPU another warp's may not be)
+        self.read_since_barrier: np.ndarray | None = None
         self.read_only = set(read_only)  # indices of the memory's arrays no kernel before writes: readable before griddepcontrol.wait
         self.regs: dict[str, np.ndarray] = {}
         self.everyone = np.ones(threads, bool)  # an instruction's threads when it has no guard
@@ -328,7 +331,7 @@ class Block:
             return self.special[token]
         if token == "global_smem":
             return np.zeros(self.threads, np.uint64)
-        if token in self.params:  # `mov.b32 %r, k_param_0`: a parameter's address (a tensor map's, here its value), then cvta.param
+        if token in self.params:  # `mov.b32 %r, k_param_0`: a parameter's address, which Triton takes only of a tensor map (here its handle), then cvta.param
             return np.full(self.threads, self.params[token], np.uint64)
         if token not in self.constants:
             bits = _immediate(token)
@@ -363,6 +366,8 @@ class Block:
 
     def execute(self, body: str) -> None:
         self.awaiting = "griddepcontrol.wait" in body
+        if "cp.async.bulk.tensor" in body and self.shared is not None:  # bytes of shared memory loaded since the last barrier
+            self.read_since_barrier = np.zeros(len(self.shared.bytes), bool)
         statements, labels = _program(body)
         pc = 0
         while pc < len(statements):
@@ -392,6 +397,8 @@ class Block:
         parts = opcode.split(".")
         name, kind = parts[0], parts[-1]
         if name in ("bar", "barrier", "membar", "fence"):
+            if name in ("bar", "barrier") and self.read_since_barrier is not None:
+                self.read_since_barrier[:] = False
             return  # lockstep: every thread is already here
         if name == "griddepcontrol":  # wait: the kernel before is done (here, there is none); launch_dependents: a hint
             self.awaiting = self.awaiting and parts[1] != "wait"
@@ -518,6 +525,8 @@ class Block:
                         whole[threads] = part
                     if space == "shared":
                         self.memory.count_banks(address[threads], width * vector, np.flatnonzero(threads))
+                        if self.read_since_barrier is not None:
+                            self.read_since_barrier[self.shared._index(address[threads], width, vector)] = True
                     else:
                         memory.count(address[threads], width * vector, np.flatnonzero(threads))
                 for target, bits in zip(targets, loaded):
@@ -591,10 +600,14 @@ class Block:
             inside = array[max(row, 0):max(row + box_rows, 0), max(column, 0):max(column + box_columns, 0)]
             tile[max(-row, 0):max(-row, 0) + inside.shape[0], max(-column, 0):max(-column, 0) + inside.shape[1]] = inside
             if self.memory.traffic is not None and inside.size:  # its bytes read, in 16-byte pieces of its rows (one access, as a warp's)
-                start = self.memory.addresses[index] + (max(row, 0) * array.shape[1] + max(column, 0)) * size
+                start = self.memory.addresses[index] + max(row, 0) * array.strides[0] + max(column, 0) * size
                 pieces = (start + np.arange(inside.shape[0])[:, None] * array.strides[0] + np.arange(0, inside.shape[1] * size, 16)[None, :]).ravel()
                 self.memory.count(pieces.astype(np.uint64), 16, np.zeros(len(pieces), np.int64))
             written = self.shared._index(target[thread:thread + 1], tile.nbytes, 1)[0]
+            if self.shared.in_flight[written].any():
+                raise MemoryError("a TMA copy into shared memory another copy in flight still writes")
+            if self.read_since_barrier[written].any():
+                raise MemoryError("a TMA copy into shared memory loaded since the last barrier: another warp may not have read it yet")
             np.add.at(self.shared.in_flight, written, 1)
             self._barrier(int(barrier[thread]))["copies"].append((written, tile.view(np.uint8).ravel()))
 
@@ -612,6 +625,8 @@ class Block:
         at = ops[0] if operation in ("init", "inval") else ops[1]
         addresses = self.address(at)
         if operation == "init":
+            if np.any(addresses[threads] % np.uint64(8)):
+                raise MemoryError("an mbarrier not 8-byte aligned")
             for thread in np.flatnonzero(threads):
                 count = int(self.value(ops[1])[thread])
                 self.barriers[int(addresses[thread])] = dict(count=count, pending=count, expected=0, phase=0, copies=[])
@@ -625,6 +640,8 @@ class Block:
                 barrier = self._barrier(int(addresses[thread]))
                 barrier["pending"] -= 1
                 barrier["expected"] += int(self.value(ops[2])[thread]) if "expect_tx" in parts else 0
+                if barrier["pending"] < 0:  # (phases complete at a wait here: a second phase's arrival before it is a slot asked twice)
+                    raise MemoryError("more arrivals on an mbarrier than its count before a wait completes the phase")
         elif operation == "try_wait":
             done = np.zeros(self.threads, bool)
             parity = self.value(ops[2]) & np.uint64(1)
@@ -857,6 +874,9 @@ def launch(ptx: str, grid: tuple[int, ...], args: list[np.ndarray | int | Tensor
     for a in args:
         if isinstance(a, TensorMap):  # the descriptor (a handle to its map, here), then the array's shape and strides
             mapped = args[a.array]
+            if max(a.box) > 256 or a.box[1] * mapped.itemsize % 16 or mapped.strides[0] % 16 or mapped.strides[1] != mapped.itemsize:
+                raise ValueError(f"no tensor map of a {mapped.shape} array (strides {mapped.strides}) in boxes {a.box}: boxes at most 256 a side, "
+                                 "16-byte rows of a box, 16-byte aligned rows, contiguous along them")
             handle = TENSOR_MAPS + 128 * len(maps)
             maps[handle] = (sum(isinstance(b, np.ndarray) for b in args[:a.array]), mapped, a.box)
             values += [handle, *mapped.shape, *(stride // mapped.itemsize for stride in mapped.strides)]

@@ -358,7 +358,8 @@ def gemv_gluon(x_ptr, packed_ptr, scale_ptr, y_ptr, N, K, stride_pn, stride_sn, 
         for t in range(0, tiles // ITERS):
             _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_sn, first + t * programs, t * ITERS, first, programs, tiles,
                           ring, words_at, scales_at, x_shared, w, s, LW, BLOCK_N, WORDS, GROUP, HALF2, PREFETCH, XVEC, WARPS, WARPS_N, INTERLEAVED, XSMEM, ITERS, STAGES, TMA)
-        async_copy.wait_group(0)  # the loop's last asks (empty groups) before the ring's memory is let go
+        if not TMA:  # (a TMA ring asks for nothing past its last tile)
+            async_copy.wait_group(0)  # the loop's last asks (empty groups) before the ring's memory is let go
     else:
         _rows_times_x(xq_ptr, packed_ptr, scale_ptr, y_ptr, span, stride_pn, stride_sn, first, 0, first, programs, tiles,
                       ring, words_at, scales_at, x_shared, w, s, LW, BLOCK_N, WORDS, GROUP, HALF2, PREFETCH, XVEC, WARPS, WARPS_N, INTERLEAVED, XSMEM, ITERS, STAGES, TMA)
@@ -493,7 +494,9 @@ LAUNCHES = [Launch(*shape) for shape in [
 
 def run(x, weight, y, launch: Launch):
     """y = x @ weight^T (x: [1, K] fp16) for a weight that `fits` the launch, in either layout
-    (its `interleaved` flag)."""
+    (its `interleaved` flag). A TMA launch's descriptor is encoded on the host at each launch
+    (Triton's launcher): a few microseconds a call eagerly, none in a replayed CUDA graph, where
+    serving times and runs it."""
     words_desc = TensorDescriptor.from_tensor(weight.packed, [launch.block_n, launch.words], TMA_LAYOUT) if launch.tma else None
     gemv_gluon[grid(launch, weight.rows, _sm_count(x.device.index))](x, weight.packed, weight.scale, y, weight.rows, weight.columns, weight.packed.stride(0),
                                                  weight.scale.stride(0), words_desc, GROUP=weight.group_size, HALF2=launch.half2, ROWS=launch.rows,
@@ -577,7 +580,8 @@ def served_launch(x: torch.Tensor, weight, grid_gemv) -> Launch | None:
     if key not in _PICKS:
         hopper = _capability(x.device.index) >= (9, 0)  # TMA and mbarrier transaction counts: sm_90 on
         _PICKS[key] = _fastest(x, weight, grid_gemv, [launch for launch in SERVED if fits(weight, launch) and (hopper or not launch.tma)])
-    return _PICKS[key]
+    pick = _PICKS[key]
+    return pick if pick is None or fits(weight, pick) else None  # (a weight of the picked shape whose words a TMA launch cannot take: not 16-byte aligned)
 
 
 def _fastest(x: torch.Tensor, weight, grid_gemv, launches: list[Launch]) -> Launch | None:

@@ -916,14 +916,17 @@ _TMA_PTX = """.extern .shared .align 16 .b8 global_smem[];
 """
 
 
-@pytest.mark.parametrize("case", ["lands", "wrong parity", "fewer bytes expected", "more bytes expected", "never waited", "before the wait"])
+@pytest.mark.parametrize("case", ["lands", "wrong parity", "fewer bytes expected", "more bytes expected", "never waited", "before the wait",
+                                  "asked twice", "refilled unsynced"])
 def test_ptx_emulator_lands_tma_copies_on_their_mbarrier(case):
     """A TMA copy (cp.async.bulk.tensor, the Gluon GEMV's TMA rings) copies its tile, zeros past
     the array's edges, and lands when a wait on its mbarrier's phase completes, which takes the
     arrivals and all the bytes they expect. A wait for a phase already over returns at once, so a
     load of the tile then raises (on a GPU it reads bytes the copy may not have written yet); a
     phase whose bytes do not add up never completes, or is overrun; a block that exits with a copy
-    in flight, or copies an array that is not read-only before griddepcontrol.wait, raises."""
+    in flight, or copies an array that is not read-only before griddepcontrol.wait, raises; so
+    does a slot asked for twice before its wait, and a refill of bytes loaded since the last
+    barrier (in lockstep every thread has read them; on a GPU another warp may not have)."""
     import numpy as np
     from benchmarks.ptx_emulator import TensorMap, launch
 
@@ -938,11 +941,19 @@ def test_ptx_emulator_lands_tma_copies_on_their_mbarrier(case):
         return
     raised = {"wrong parity": (MemoryError, "in flight"), "fewer bytes expected": (MemoryError, "more bytes"),
               "more bytes expected": (RuntimeError, "never completes"), "never waited": (MemoryError, "exits with a TMA copy in flight"),
-              "before the wait": (MemoryError, "before griddepcontrol.wait")}
+              "before the wait": (MemoryError, "before griddepcontrol.wait"), "asked twice": (MemoryError, "more arrivals"),
+              "refilled unsynced": (MemoryError, "loaded since the last barrier")}
+    ask = "    @%p1 mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r4], 512;\n    @%p1 cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes [%r3], [%rd7, {%r5, %r6}], [%r4];\n"
     if case == "wrong parity":
         kernel = kernel.replace("mov.b32 %r7, 0;", "mov.b32 %r7, 1;")
     elif case.endswith("bytes expected"):
         kernel = kernel.replace("_, [%r4], 512;", "_, [%r4], 256;" if case.startswith("fewer") else "_, [%r4], 1024;")
+    elif case == "asked twice":
+        kernel = kernel.replace("    mov.b32 %r7, 0;", ask.replace("%r5, %r6", "%r8, %r8").replace("    @%p1 mbarrier", "    mov.b32 %r8, 0;\n    @%p1 mbarrier", 1)
+                                + "    mov.b32 %r7, 0;")
+    elif case == "refilled unsynced":
+        kernel = kernel.replace("    mul.wide.u32 %rd3, %r1, 16;", ask.replace("%r5, %r6", "%r9, %r9").replace("    @%p1 mbarrier", "    mov.b32 %r9, 0;\n    @%p1 mbarrier", 1)
+                                + "    mul.wide.u32 %rd3, %r1, 16;")
     elif case == "never waited":
         kernel = kernel[:kernel.index("    mov.b32 %r7")] + "    ret;\n}\n"
     else:
@@ -1083,6 +1094,8 @@ def test_gluon_gemv_serves_only_the_weights_it_fits(monkeypatch):
     the launch; every launch serving may pick takes 4096- and 14336-wide layers. Serving
     considers it only for fp16 x on CUDA with autotuning on (it is picked by timing) and not
     turned off; everywhere else the grid GEMV serves, as before."""
+    import dataclasses
+
     from compressors import packed_int_gluon
 
     launch = packed_int_gluon.Launch(1, 2, 4, 0, 1, 4)  # 8 rows x 128 words: 1024 columns a block
@@ -1099,6 +1112,12 @@ def test_gluon_gemv_serves_only_the_weights_it_fits(monkeypatch):
     held = packed_int_gluon.Launch(1, 2, 4, 0, 1, 4, xsmem=1)
     assert packed_int_gluon.fits(wide, launch) and not packed_int_gluon.fits(wide, held)
     assert packed_int_gluon.fits(random_packed(4, 8, packed_int_gluon.X_SHARED_BYTES // 2, 128), held)
+    # by TMA, the words' rows must start 16-byte aligned (the copy engine's rule): a view whose rows start 4 bytes off is not
+    by_tma = next(served for served in packed_int_gluon.SERVED if served.tma)
+    aligned = random_packed(4, 64, 4096, 128)
+    shifted = dataclasses.replace(aligned, packed=torch.cat([aligned.packed.new_zeros(64, 1), aligned.packed], dim=1)[:, 1:])
+    assert packed_int_gluon.fits(aligned, by_tma) and not packed_int_gluon.fits(shifted, by_tma)
+    assert packed_int_gluon.fits(shifted, by_tma._replace(tma=0))  # its cp.async twin takes it
     weight, x = random_packed(4, 64, 2048, 128), torch.randn(1, 2048).half()
     never = lambda: pytest.fail("timed on the CPU")  # noqa: E731
     assert packed_int_gluon.served_launch(x, weight, never) is None  # the CPU
