@@ -40,11 +40,12 @@ def compiled(launch: Launch, interleaved: int, group: int = 128, columns: int = 
     constants = dict(GROUP=group, HALF2=launch.half2, ROWS=launch.rows, WARPS_N=launch.warps_n, PREFETCH=launch.prefetch, XVEC=launch.xvec,
                      WARPS=launch.warps, INTERLEAVED=interleaved, VEC=launch.vec, XSMEM=launch.xsmem,
                      ITERS=iterations(launch, columns), STAGES=launch.stages, **ON_HOPPER)
+    types = {}
     if launch.tma:  # the words' tensor descriptor, as `run` makes it
-        types = {"words_desc": f"tensordesc<i32[{launch.block_n}, {launch.words}],{TMA_LAYOUT!r}>"}
+        types["words_desc"] = f"tensordesc<i32[{launch.block_n}, {launch.words}],{TMA_LAYOUT!r}>"
         constants["TMA"] = 1
     else:
-        types, constants["words_desc"] = {}, None
+        constants["words_desc"] = None  # (a None argument is a constexpr)
     return compile_for(gemv_gluon, constants, num_warps=launch.warps, aligned=True, maxnreg=launch.maxnreg or None, types=types)
 
 

@@ -621,7 +621,9 @@ class Block:
         expects `bytes` of copies); mbarrier.try_wait.parity done, [b], parity (whether the phase of
         that parity has completed); mbarrier.inval [b]. A phase completes when its arrivals are in
         and its copies have landed; here the copies land when a thread waits on it."""
-        operation = parts[1] if parts[1] != "try_wait" or "parity" in parts else "try_wait without parity"
+        operation = parts[1]
+        if operation == "try_wait" and "parity" not in parts:
+            raise NotImplementedError(f"the emulator has no {'.'.join(parts)} (only the .parity form)")
         at = ops[0] if operation in ("init", "inval") else ops[1]
         addresses = self.address(at)
         if operation == "init":
