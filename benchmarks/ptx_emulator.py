@@ -20,7 +20,9 @@ kernel before writes). A TMA copy (`cp.async.bulk.tensor`, of a `TensorMap` argu
 lands, like a cp.async copy, only when a thread waits on its mbarrier's phase
 (`mbarrier.try_wait.parity`), which completes when its arrivals are in and the bytes they expect
 have landed; a wait that could never complete, and a block that exits with a copy in flight,
-raise. Instruction semantics follow
+raise. Though lockstep lands a tile for all threads at once, a thread may read it only once it has
+observed the phase: waited on it, or met at a barrier a thread that did (on a GPU the bytes are
+visible to those threads only). Instruction semantics follow
 NVIDIA's PTX ISA. Rounding: fp16 results are rounded once from the float64 value (exact for
 fp16 products and sums of nearby magnitude), fp32 fma likewise from float64 (double rounding is
 possible only when the product's low bits straddle a tie: rare, and far inside any tolerance a
@@ -210,6 +212,12 @@ class Memory:
             offset += (array.nbytes + 255) // 256 * 256
         self.bytes = np.zeros(offset, dtype=np.uint8)
         self.in_flight: np.ndarray | None = None  # shared memory: per byte, the cp.async copies into it not yet landed
+        # shared memory in a kernel with TMA copies: per byte, the mbarrier (shared address) whose
+        # phase a TMA copy landed it on (-1: none, or stored since) and that phase's count once
+        # complete; per mbarrier, the completed phases each thread has observed (`Block.mbarrier`)
+        self.landed: np.ndarray | None = None
+        self.landed_phase: np.ndarray | None = None
+        self.seen: dict[int, np.ndarray] = {}
         self.starts = np.array([a - base for a in self.addresses], dtype=np.int64)
         self.ends = self.starts + np.array([a.nbytes for a in arrays], dtype=np.int64)
         for address, array in zip(self.addresses, arrays):
@@ -281,13 +289,33 @@ class Memory:
             raise MemoryError("a shared access to bytes a copy in flight still writes (wait for its cp.async group or its mbarrier first)")
         return index
 
-    def load(self, address: np.ndarray, width: int, vector: int) -> list[np.ndarray]:
-        raw = self.bytes[self._settled(self._index(address, width, vector))]
+    def _observed(self, index: np.ndarray, threads: np.ndarray | None) -> np.ndarray:
+        """`index` (a row of byte offsets per thread of `threads`), where each thread has observed
+        the mbarrier phase a TMA copy landed its bytes on: a load of a tile raises in a thread that
+        neither waited on that phase nor met, at a barrier, a thread that did (in lockstep the
+        bytes are there once any thread's wait lands them; on a GPU, only for those threads)."""
+        if self.landed is None:
+            return index
+        at = self.landed[index]
+        for barrier in np.unique(at[at >= 0]):
+            needed = np.where(at == barrier, self.landed_phase[index], 0).max(axis=1)
+            seen = self.seen[int(barrier)]
+            if np.any((seen.min() if threads is None else seen[threads]) < needed):
+                raise MemoryError("a thread loads bytes a TMA copy landed on an mbarrier phase it has not waited for "
+                                  "(nor met, at a barrier, a thread that did)")
+        return index
+
+    def load(self, address: np.ndarray, width: int, vector: int, threads: np.ndarray | None = None) -> list[np.ndarray]:
+        """The loads of `threads` (thread indices, one an address; None: a collective load, such
+        as wgmma's operand, for which every thread must have observed a TMA copy's phase)."""
+        raw = self.bytes[self._observed(self._settled(self._index(address, width, vector)), threads)]
         words = raw.reshape(len(address), vector, width).copy().view(_UNSIGNED[width])
         return [words[:, i, 0].astype(np.uint64) for i in range(vector)]
 
     def store(self, address: np.ndarray, values: list[np.ndarray], width: int) -> None:
         index = self._settled(self._index(address, width, len(values)))
+        if self.landed is not None:
+            self.landed[index] = -1  # the threads' own bytes now, ordered for others by barriers as any store
         self.bytes[index] = np.stack([v.astype(_UNSIGNED[width]) for v in values], axis=1).view(np.uint8).reshape(len(address), -1)
 
 
@@ -368,6 +396,8 @@ class Block:
         self.awaiting = "griddepcontrol.wait" in body
         if "cp.async.bulk.tensor" in body and self.shared is not None:  # bytes of shared memory loaded since the last barrier
             self.read_since_barrier = np.zeros(len(self.shared.bytes), bool)
+            self.shared.landed = np.full(len(self.shared.bytes), -1, np.int64)
+            self.shared.landed_phase = np.zeros(len(self.shared.bytes), np.int64)
         statements, labels = _program(body)
         pc = 0
         while pc < len(statements):
@@ -399,6 +429,8 @@ class Block:
         if name in ("bar", "barrier", "membar", "fence"):
             if name in ("bar", "barrier") and self.read_since_barrier is not None:
                 self.read_since_barrier[:] = False
+                for seen in self.shared.seen.values():  # what one thread observed, every thread has after a barrier with it
+                    seen[:] = seen.max()
             return  # lockstep: every thread is already here
         if name == "griddepcontrol":  # wait: the kernel before is done (here, there is none); launch_dependents: a hint
             self.awaiting = self.awaiting and parts[1] != "wait"
@@ -521,7 +553,7 @@ class Block:
                 address = self.address(ops[1])
                 loaded = [np.zeros(self.threads, np.uint64) for _ in targets]
                 if threads.any():
-                    for whole, part in zip(loaded, memory.load(address[threads], width, vector)):
+                    for whole, part in zip(loaded, memory.load(address[threads], width, vector, np.flatnonzero(threads))):
                         whole[threads] = part
                     if space == "shared":
                         self.memory.count_banks(address[threads], width * vector, np.flatnonzero(threads))
@@ -632,11 +664,13 @@ class Block:
             for thread in np.flatnonzero(threads):
                 count = int(self.value(ops[1])[thread])
                 self.barriers[int(addresses[thread])] = dict(count=count, pending=count, expected=0, phase=0, copies=[])
+                self.shared.seen[int(addresses[thread])] = np.zeros(self.threads, np.int64)
         elif operation == "inval":
             for address in np.unique(addresses[threads]):
                 if self._barrier(int(address))["copies"]:
                     raise MemoryError("an mbarrier invalidated with a TMA copy on it in flight")
                 del self.barriers[int(address)]
+                self.shared.landed[self.shared.landed == address] = -1
         elif operation == "arrive":
             for thread in np.flatnonzero(threads):
                 barrier = self._barrier(int(addresses[thread]))
@@ -651,9 +685,11 @@ class Block:
                 barrier, mine = self._barrier(int(address)), threads & (addresses == address)
                 if np.all((barrier["phase"] & 1) != parity[mine]):  # that phase is over: the wait returns at once, landing nothing
                     done[mine] = True
+                    self.shared.seen[int(address)][mine] = barrier["phase"]
                     continue
                 for written, data in barrier["copies"]:
                     self.shared.bytes[written] = data
+                    self.shared.landed[written], self.shared.landed_phase[written] = address, barrier["phase"] + 1
                     np.subtract.at(self.shared.in_flight, written, 1)
                     barrier["expected"] -= len(data)
                 barrier["copies"] = []
@@ -662,6 +698,7 @@ class Block:
                 if barrier["pending"] <= 0 and barrier["expected"] == 0:  # the phase completes; the next awaits all its arrivals
                     barrier.update(phase=barrier["phase"] + 1, pending=barrier["count"])
                 done[mine] = (barrier["phase"] & 1) != parity[mine]
+                self.shared.seen[int(address)][mine & done] = barrier["phase"]  # they observed every phase completed so far
             if not done[threads].any():  # in lockstep every thread is here: nothing else could arrive
                 raise RuntimeError("an mbarrier wait that never completes (its phase lacks arrivals or expected bytes)")
             self.write(ops[0], done, None if threads.all() else threads)
@@ -681,7 +718,7 @@ class Block:
             if "trans" in parts:
                 halves = [rows[warp + 8 * i + lane % 4 * 2 + h] + (lane // 4).astype(np.uint64) * np.uint64(2) for h in range(2)]
                 if load:
-                    low, high = (self.shared.load(address, 2, 1)[0] for address in halves)
+                    low, high = (self.shared.load(address, 2, 1, np.arange(self.threads))[0] for address in halves)
                     self.write(register, low | high << np.uint64(16), None)
                 else:
                     for h, address in enumerate(halves):
@@ -689,7 +726,7 @@ class Block:
             else:
                 address = rows[warp + 8 * i + lane // 4] + (lane % 4 * 4).astype(np.uint64)
                 if load:
-                    self.write(register, self.shared.load(address, 4, 1)[0], None)
+                    self.write(register, self.shared.load(address, 4, 1, np.arange(self.threads))[0], None)
                 else:
                     self.shared.store(address, [self.value(register)], 4)
 

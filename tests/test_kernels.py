@@ -916,8 +916,8 @@ _TMA_PTX = """.extern .shared .align 16 .b8 global_smem[];
 """
 
 
-@pytest.mark.parametrize("case", ["lands", "wrong parity", "fewer bytes expected", "more bytes expected", "never waited", "before the wait",
-                                  "asked twice", "refilled unsynced"])
+@pytest.mark.parametrize("case", ["lands", "lands after a barrier", "wrong parity", "fewer bytes expected", "more bytes expected", "never waited",
+                                  "before the wait", "asked twice", "refilled unsynced", "one thread waits"])
 def test_ptx_emulator_lands_tma_copies_on_their_mbarrier(case):
     """A TMA copy (cp.async.bulk.tensor, the Gluon GEMV's TMA rings) copies its tile, zeros past
     the array's edges, and lands when a wait on its mbarrier's phase completes, which takes the
@@ -926,14 +926,19 @@ def test_ptx_emulator_lands_tma_copies_on_their_mbarrier(case):
     phase whose bytes do not add up never completes, or is overrun; a block that exits with a copy
     in flight, or copies an array that is not read-only before griddepcontrol.wait, raises; so
     does a slot asked for twice before its wait, and a refill of bytes loaded since the last
-    barrier (in lockstep every thread has read them; on a GPU another warp may not have)."""
+    barrier (in lockstep every thread has read them; on a GPU another warp may not have). A
+    thread reads the tile only once it has observed the phase: one thread's wait lands it, but
+    the others may read it only after a barrier with that thread."""
     import numpy as np
     from benchmarks.ptx_emulator import TensorMap, launch
 
     array = np.arange(6 * 40, dtype=np.int32).reshape(6, 40)
     out = np.zeros((4, 32), np.int32)
     kernel = _TMA_PTX.replace("EXPECTED", "512").replace("PARITY", "0")
-    if case == "lands":
+    one_waits = kernel.replace("    mbarrier.try_wait", "    @%p1 mbarrier.try_wait").replace("    @!complete bra.uni waitLoop;\n", "")
+    if case.startswith("lands"):
+        if case == "lands after a barrier":  # only the elected thread waits; the barrier after its wait orders the tile for all
+            kernel = one_waits.replace("    shl.b32 %r2", "    bar.sync 0;\n    shl.b32 %r2")
         launch(kernel, (1,), [array, TensorMap(0, (4, 32)), out])
         expected = np.zeros((4, 32), np.int32)
         expected[:3, :24] = array[3:, 16:]
@@ -942,7 +947,7 @@ def test_ptx_emulator_lands_tma_copies_on_their_mbarrier(case):
     raised = {"wrong parity": (MemoryError, "in flight"), "fewer bytes expected": (MemoryError, "more bytes"),
               "more bytes expected": (RuntimeError, "never completes"), "never waited": (MemoryError, "exits with a TMA copy in flight"),
               "before the wait": (MemoryError, "before griddepcontrol.wait"), "asked twice": (MemoryError, "more arrivals"),
-              "refilled unsynced": (MemoryError, "loaded since the last barrier")}
+              "refilled unsynced": (MemoryError, "loaded since the last barrier"), "one thread waits": (MemoryError, "has not waited for")}
     ask = "    @%p1 mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r4], 512;\n    @%p1 cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes [%r3], [%rd7, {%r5, %r6}], [%r4];\n"
     if case == "wrong parity":
         kernel = kernel.replace("mov.b32 %r7, 0;", "mov.b32 %r7, 1;")
@@ -956,6 +961,8 @@ def test_ptx_emulator_lands_tma_copies_on_their_mbarrier(case):
                                 + "    mul.wide.u32 %rd3, %r1, 16;")
     elif case == "never waited":
         kernel = kernel[:kernel.index("    mov.b32 %r7")] + "    ret;\n}\n"
+    elif case == "one thread waits":  # the others read the tile it landed with no barrier between
+        kernel = one_waits
     else:
         kernel = kernel.replace("    @%p1 cp.async.bulk", "    griddepcontrol.wait;\n    @%p1 cp.async.bulk")
         launch(kernel, (1,), [array, TensorMap(0, (4, 32)), out], read_only=(0,))  # a weight's copy may go first
