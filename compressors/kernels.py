@@ -207,9 +207,10 @@ def serving_kernel(weight: PackedWeight, device: torch.device) -> Kernel | None:
 
 
 class PackedLinear(nn.Module):
-    """A linear whose weight stays packed: Triton kernel on CUDA, torch reference elsewhere
-    (where the dequantized weight is cached: the CPU has no use for the packed form), and for
-    the weights `serving_kernel` serves dense on CUDA too. At its
+    """A linear whose weight stays packed: Triton kernel on CUDA; on the CPU, for bf16
+    activations, torch's int4 kernel where it takes the weight (a 4-bit grid: `cpu_int4_group`),
+    else the torch reference from a cached dense copy (fp32, or bf16 for bf16 activations), as
+    for the weights `serving_kernel` serves dense on CUDA too. At its
     first CUDA call (a repack synchronizes: not inside graph capture) it takes the layout its
     kernel serves (`serving_layout`), in place: `interleaved` then says its `packed` buffer is
     in that layout. Its state dict is always the artifact's layout, saved and loaded."""
@@ -223,6 +224,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.interleaved = weight.interleaved
         self._dense: torch.Tensor | None = None
+        self._cpu_int4: packed_int.CpuInt4Weight | bool | None = None  # made at the first bf16 call on a CPU (False: the kernel cannot take the weight)
         self._kernels: dict[torch.device, int | None] = {}  # index in KERNELS, chosen once per device (picklable)
         self._served: PackedWeight | None = None  # the weight its kernel runs, kept so its launch arguments are worked out once
 
@@ -237,10 +239,10 @@ class PackedLinear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        self.interleaved, self._dense, self._kernels, self._served = False, None, {}, None  # the artifact's layout: choose kernel and layout again
+        self.interleaved, self._dense, self._cpu_int4, self._kernels, self._served = False, None, None, {}, None  # the artifact's layout: choose kernel and layout again
 
     def _apply(self, fn, recurse=True):
-        self._served = None  # .to(), .cuda(), .half() replace the buffers it holds
+        self._served, self._cpu_int4 = None, None  # .to(), .cuda(), .half() replace the buffers it holds
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -256,10 +258,20 @@ class PackedLinear(nn.Module):
             if self._served is None:
                 self._served = self.weight_packed
             out = KERNELS[index].run(flat, self._served)
+        elif flat.device.type == "cpu" and flat.dtype == torch.bfloat16 and self._cpu_int4_weight() is not None:
+            out = packed_int.matmul_cpu_int4(flat, self._cpu_int4)
         else:
-            dtype = torch.float32 if flat.device.type == "cpu" else flat.dtype  # a GPU's copy in the activations' dtype: tensor cores, half the memory
+            # a copy in the activations' dtype on a GPU (tensor cores, half the memory) and for bf16 on a CPU; fp32 for the rest on a CPU
+            dtype = flat.dtype if flat.device.type != "cpu" or flat.dtype == torch.bfloat16 else torch.float32
             if self._dense is None or self._dense.device != flat.device or self._dense.dtype != dtype:
                 self._dense = packed_int.dequantize_reference(self.weight_packed).to(dtype)
             out = nn.functional.linear(flat.to(self._dense.dtype), self._dense)
         out = (out if out.dtype == x.dtype else out.to(x.dtype)).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias.to(out.dtype)  # in x's dtype, as nn.Linear's output is
+
+    def _cpu_int4_weight(self) -> packed_int.CpuInt4Weight | None:
+        """The weight in torch's CPU int4 layout, or None where that kernel cannot take it."""
+        if self._cpu_int4 is None:
+            weight = self.weight_packed
+            self._cpu_int4 = packed_int.cpu_int4(weight) if packed_int.cpu_int4_group(weight) is not None else False
+        return self._cpu_int4 or None

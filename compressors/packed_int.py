@@ -559,6 +559,64 @@ def matmul_reference(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     return (x.float() @ dequantize_reference(weight).T).to(x.dtype)
 
 
+# On the CPU, 4-bit grids serve bf16 activations through torch's own int4 kernel
+# (aten._weight_int4pack_mm_for_cpu, the one torchao's int4 weight-only CPU path calls), from its
+# packed form: w = (u - 8) * scale + offset for unsigned codes u, a bf16 (scale, offset) pair a
+# group. lmpress's signed codes q = u - 8 and w = (q - zero) * scale give offset = -zero * scale.
+# It takes groups of 32, 64, 128 or 256 inputs and rows in multiples of 16; a larger group (per
+# channel included) runs as its 256-, 128-, 64- or 32-wide parts, each with the group's scale,
+# which is exact. Scales and offsets round to bf16, as every weight of a bf16 dense copy would.
+CPU_INT4_GROUPS = (256, 128, 64, 32)
+CPU_INT4_REPACK_CODES = 1 << 16  # codes repacked at a time (`cpu_int4`)
+
+
+@dataclass(frozen=True)
+class CpuInt4Weight:
+    """A 4-bit grid in torch's CPU int4 layout (`cpu_int4`), ready for `matmul_cpu_int4`."""
+
+    packed: torch.Tensor  # uint8 [N, K / 2], torch's own packing
+    scales_and_offsets: torch.Tensor  # bf16 [K / group, N, 2]
+    group: int
+
+
+def cpu_int4_group(weight: PackedWeight) -> int | None:
+    """The group torch's CPU int4 kernel runs `weight` in, or None where it cannot: not a 4-bit
+    grid (codebook, 2:4, other widths), rows not a multiple of 16, groups not of 32 or more
+    (a multiple of 32)."""
+    if weight.bits != 4 or weight.scale is None or weight.codebook is not None or weight.bitmask is not None or weight.rows % 16:
+        return None
+    return next((group for group in CPU_INT4_GROUPS if weight.group_size % group == 0), None)
+
+
+def cpu_int4(weight: PackedWeight, block_rows: int | None = None) -> CpuInt4Weight:
+    """`weight` (one `cpu_int4_group` takes) repacked for torch's CPU int4 kernel, `block_rows`
+    rows at a time (a multiple of 64; by default about CPU_INT4_REPACK_CODES codes): unpacked a
+    whole layer at a time (some 20 bytes a code in passing), serving's first forward on
+    SmolLM2-135M peaked 300-500 MB above where it settled, the allocator keeping the freed
+    blocks. torch packs rows in blocks of 64 (then 32 and 16 at the tail), so parts of 64-row
+    multiples concatenate."""
+    group = cpu_int4_group(weight)
+    require(group is not None, f"torch's CPU int4 kernel cannot run this {weight.bits}-bit {weight.kind} {weight.rows} x {weight.columns} weight")
+    block_rows = block_rows or max(64, CPU_INT4_REPACK_CODES // weight.columns // 64 * 64)
+    assert block_rows % 64 == 0, "torch's CPU int4 layout concatenates only in blocks of 64 rows"
+    parts = lambda t: t.float().repeat_interleave(weight.group_size // group, dim=1).T  # noqa: E731  ([K / group, N])
+    scale = parts(weight.scale)
+    offset = -parts(weight.zero) * scale if weight.zero is not None else torch.zeros_like(scale)
+    packed = torch.cat([
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight._map(lambda t: t[start : start + block_rows]).codes().to(torch.int32) + 8, 1)  # noqa: B023
+        for start in range(0, weight.rows, block_rows)
+    ])
+    return CpuInt4Weight(packed, torch.stack([scale, offset], dim=-1).to(torch.bfloat16), group)
+
+
+def matmul_cpu_int4(x: torch.Tensor, weight: CpuInt4Weight) -> torch.Tensor:
+    """x [M, K] (bf16) @ W^T by torch's CPU int4 kernel. Against the fp32 dense copy the CPU
+    otherwise serves from, it ran a 4-bit layer 1.2-1.5x faster at one row (SmolLM2's 576- and
+    1536-wide layers) and 4x at 4096x4096, as fast at 128-512 rows, in an eighth of the memory
+    (benchmarks/cpu_serving.py)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, weight.group, weight.scales_and_offsets)
+
+
 def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
     check_triton_backend(weight.packed.device)
     assert not weight.interleaved, "the general kernels read codes in column order"

@@ -41,6 +41,11 @@ RECOVERY_STEPS = typer.Option(0, "--recovery-steps", help="Distill from the pare
 RECOVERY_LR = typer.Option(5e-5, "--recovery-lr", help="Learning rate of the recovery distillation.")
 RECOVERY_BATCH_SIZE = typer.Option(2, "--batch-size", help="Recovery: calibration windows per step.")
 SEQUENTIAL_BATCH_SIZE = typer.Option(2, "--batch-size", help="Calibration windows per forward pass of the sequential mode (more: a higher memory peak).")
+# the serving dtype generate and latency share (pipelines.serving.serving_dtype)
+DTYPE_OPTION = typer.Option(
+    "auto", "--dtype",
+    help="Activations' dtype: auto (float16 on a GPU; bfloat16 on CPUs with AVX512-BF16 or AMX, where 4-bit grids serve packed through torch's int4 kernel; float32 elsewhere and with --draft, whose promise of the target's own text only fp32 keeps), float32, bfloat16 or float16.",
+)
 
 
 @app.command()
@@ -307,11 +312,13 @@ def latency(
     device: str = typer.Option("auto", help="auto (a CUDA GPU if there is one), cpu or cuda."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Time the architecture from the model folder's config.json alone, with random weights (speed does not depend on them): for a machine without the weights; the table is stamped with the database's base."),
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On a GPU, time each call as a CUDA graph's replay, as `lmpress generate` decodes; off: eager calls, as `generate --no-cuda-graphs`."),
+    dtype: str = DTYPE_OPTION,
 ):
     """Measure a decode step's parts on this device (each linear shape at each level, as lmpress serves it): the model `search --budget-latency` counts in."""
     from pipelines.latency import LatencyConfig, measure_latency
 
-    path = measure_latency(model, levels, out, LatencyConfig(batch=batch, context=context, repeats=repeats, device=device, random_weights=random_weights, cuda_graphs=cuda_graphs))
+    config = LatencyConfig(batch=batch, context=context, repeats=repeats, device=device, random_weights=random_weights, cuda_graphs=cuda_graphs, dtype=dtype)
+    path = measure_latency(model, levels, out, config)
     table = json.loads(path.read_text())
     check = table["check"]
     out_console.print(
@@ -511,11 +518,12 @@ def generate(
     lookahead: Optional[int] = typer.Option(None, help="With --draft: tokens the draft proposes per target forward [default: 4]."),
     allow_other_target: bool = ALLOW_OTHER_TARGET,
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On a GPU, run each decoding step as a CUDA graph's replay (no Python per token); off: eagerly."),
+    dtype: str = DTYPE_OPTION,
 ):
     """Continue a prompt greedily with the model, served with its packed kernels where it has them."""
     from pipelines.serving import generate as run
 
-    out_console.print(run(artifact, prompt, max_new_tokens, draft_model, lookahead, allow_other_target, cuda_graphs), markup=False, highlight=False)
+    out_console.print(run(artifact, prompt, max_new_tokens, draft_model, lookahead, allow_other_target, cuda_graphs, dtype), markup=False, highlight=False)
 
 
 @app.command()

@@ -8,9 +8,10 @@ A decode step (one new token per sequence, `context` tokens already in the KV ca
 where `outside` is everything but the decoder blocks (embedding, final norm, LM head),
 `block_rest` what a block costs besides its linears (attention over the cache, norms, rotary,
 residuals), and each linear's time is that of one call at its level as lmpress serves it: the
-level's packed kernel on a GPU, a cached dense copy on the CPU (where every quantized level
-therefore costs the same, a little more than the plain dense linear, and only dropping blocks
-buys time). The model is additive
+level's packed kernel on a GPU; on the CPU, in bf16 (`generate`'s default where the CPU
+multiplies bf16 natively), torch's int4 kernel for 4-bit levels and a cached dense copy for the
+rest, in fp32 a dense copy for every level (so each costs the same, a little more than the plain
+dense linear, and only dropping blocks buys time). The model is additive
 by assumption; the table carries a check of it: a model with every other block dropped and
 the rest at the database's most compressed packed level, predicted and measured.
 
@@ -60,6 +61,7 @@ class LatencyConfig:
     device: str = "auto"  # auto (cuda if there is one) | cpu | cuda
     random_weights: bool = False  # time the architecture from config.json alone (speed does not depend on values)
     cuda_graphs: bool = True  # on a GPU, time CUDA graph replays (as `lmpress generate` decodes); off: eager calls
+    dtype: str = "auto"  # the activations' dtype, as `lmpress generate --dtype` resolves it (`serving_dtype`)
 
     def validate(self) -> None:
         from pipelines.stages import require_positive
@@ -67,9 +69,15 @@ class LatencyConfig:
         require_positive(batch=self.batch, context=self.context, repeats=self.repeats)
         require(self.device in DEVICES, f"--device must be one of {', '.join(DEVICES)} (got '{self.device}')")
         require(self.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA GPU is visible here; use --device cpu")
+        self.torch_dtype(self.torch_device())
 
     def torch_device(self) -> torch.device:
         return torch.device("cuda" if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()) else "cpu")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        from pipelines.serving import serving_dtype
+
+        return serving_dtype(self.dtype, device.type)
 
     def graphed(self, device: torch.device) -> bool:
         """Whether calls on `device` are timed as CUDA graph replays."""
@@ -185,7 +193,7 @@ def serving_module(level: str, rows: int, columns: int, dtype: torch.dtype, devi
     """A linear of this shape as lmpress serves it at `level` (random weights: speed does not
     depend on them), the path it runs (a kernel, or a dense matmul), and the bytes a call reads."""
     from compressors.kernels import PackedLinear, serving_kernel
-    from compressors.packed_int import random_packed_weight
+    from compressors.packed_int import cpu_int4_group, random_packed_weight
 
     dense_bytes = rows * columns * torch.finfo(dtype).bits // 8
     if level.startswith("bits"):
@@ -193,8 +201,10 @@ def serving_module(level: str, rows: int, columns: int, dtype: torch.dtype, devi
         weight = random_packed_weight(bits, rows, columns, group_size, stored).to(device)
         kernel = serving_kernel(weight, device)
         module = PackedLinear(weight, None).to(device)
-        if kernel is None:  # every level runs the same code on a dense copy (fp32 on the CPU): one path, one measurement
-            return module, "PackedLinear's dense copy", rows * columns * 4 if device.type == "cpu" else dense_bytes
+        if kernel is None and device.type == "cpu" and dtype == torch.bfloat16 and cpu_int4_group(weight):
+            return module, f"torch's CPU int4 kernel (groups of {cpu_int4_group(weight)})", weight.nbytes
+        if kernel is None:  # every other level runs the same code on a dense copy (fp32 on the CPU but for bf16 x): one path, one measurement
+            return module, "PackedLinear's dense copy", rows * columns * 4 if device.type == "cpu" and dtype != torch.bfloat16 else dense_bytes
         return module, f"{kernel.name} ({weight.kind}, {bits}-bit, group {group_size})", weight.nbytes
     # dense, and unstructured sparsity: no kernel skips scattered zeros, so it is served dense
     return nn.Linear(columns, rows, bias=False, device=device, dtype=dtype), "dense", dense_bytes
@@ -243,7 +253,7 @@ def measure_latency(model: str, levels: Path, out: Path, config: LatencyConfig) 
     longest = getattr(network.config, "max_position_embeddings", None)
     require(longest is None or config.context < longest, f"--context {config.context} leaves no room for a new token in the model's {longest} positions; lower it")
     device = config.torch_device()
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype = config.torch_dtype(device)
     network.to(device, dtype)
     table = {
         "format": LATENCY_FORMAT, "version": LATENCY_VERSION, "base": base, "params": asdict(config),

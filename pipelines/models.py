@@ -441,6 +441,13 @@ def load_tokenizer(folder: Path):
         raise LmpressError(f"the tokenizer in {folder} does not load ({reason(error)}); copy the base model's tokenizer files there") from error
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX, torch's own probes):
+    there bf16 layers ran about 30% faster than float32; elsewhere oneDNN emulates bf16 (on an
+    AVX2 Zen 3 a 2048x576 by 576x1536 linear ran 7.5x slower)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, packed: bool = False) -> LoadedModel:
     """Resolve, check and load a causal LM in eval mode, on the CPU (its tokenizer on first use).
     A compressed-tensors pack-quantized model is decompressed, as stock transformers runs it,

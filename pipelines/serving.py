@@ -12,7 +12,9 @@ import torch
 
 from pipelines.artifact import file_sha256, read_safetensors, require_keys, require_output_path, write_json, writing
 from pipelines.errors import LmpressError, require
-from pipelines.models import LoadedModel, check_weight_files, config_json, load_config, load_model, load_tokenizer, resolve_model, weight_files
+from pipelines.models import (
+    LoadedModel, check_weight_files, config_json, cpu_multiplies_bf16, load_config, load_model, load_tokenizer, resolve_model, weight_files,
+)
 
 VALIDATION_FILE = "validation.json"
 BATCHES = (1, 16, 64)
@@ -165,12 +167,33 @@ def dense_copy(model: torch.nn.Module) -> torch.nn.Module:
     return plain_model
 
 
-def load_for_serving(spec: str, device: str = "cpu") -> LoadedModel:
+def load_for_serving(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
     """The model with every packed linear a kernel-backed PackedLinear, read from the files
-    without a dense copy (`load_stored`); a plain model as it is."""
-    loaded = load_model(spec, packed=True)
+    without a dense copy (`load_stored`), its other weights in `dtype`; a plain model as it is."""
+    loaded = load_model(spec, dtype, packed=True)
     loaded.model.to(device)
     return loaded
+
+
+SERVING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def serving_dtype(name: str, device: str, speculative: bool = False) -> torch.dtype:
+    """The activations' dtype `generate` serves in. `auto`: float16 on a GPU, the dtype the
+    kernels are validated and timed in (the batch-1 Gluon GEMV serves only it); bfloat16 on a
+    CPU that multiplies it natively (`cpu_multiplies_bf16`), where torch's int4 kernel serves
+    4-bit grids from their packed form (`PackedLinear`; benchmarks/results/cpu_serving.md:
+    GPTQ W4 decoded 2.45x faster than its fp32 dense copy, in 0.59x the memory); float32
+    elsewhere, and for `speculative` decoding, which promises the target's own greedy text: it
+    verifies the draft's tokens in one pass over several positions, and in bf16 that rounds
+    otherwise than one token a pass (the pipeline's draft and W4 target diverged within 64 tokens;
+    in fp32 they agreed)."""
+    require(name in ("auto", *SERVING_DTYPES), f"--dtype must be auto, {', '.join(SERVING_DTYPES)} (got '{name}'); pass e.g. --dtype auto")
+    if name != "auto":
+        return SERVING_DTYPES[name]
+    if speculative:
+        return torch.float32
+    return torch.float16 if device == "cuda" else torch.bfloat16 if cpu_multiplies_bf16() else torch.float32
 
 
 def validate(folder: Path, out: Path | None = None) -> dict:
@@ -387,10 +410,10 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, max_new_token
 
 
 def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None = None, lookahead: int | None = None, allow_other_target: bool = False,
-             cuda_graphs: bool = True) -> str:
+             cuda_graphs: bool = True, dtype: str = "auto") -> str:
     """Greedy continuation (`greedy_decode`: on a GPU each step a CUDA graph's replay unless
-    `cuda_graphs` is off); with a `draft`, by speculative decoding (the same text, fewer target
-    forwards; the counts go to stderr)."""
+    `cuda_graphs` is off) in `dtype` (`serving_dtype`); with a `draft`, by speculative decoding
+    (the same text, fewer target forwards; the counts go to stderr)."""
     from compressors.speculative import speculative_greedy
     from pipelines.progress import stderr
 
@@ -400,6 +423,7 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
     lookahead = 4 if lookahead is None else lookahead
     require(lookahead > 0, f"--lookahead must be positive (got {lookahead}); pass e.g. --lookahead 4")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    activations = serving_dtype(dtype, device, speculative=draft is not None)
     # The prompt is checked against the context from the config and tokenizer alone, before the
     # weights load: a too-long request is told so at once, not after a load and its progress bars.
     folder = resolve_model(spec)
@@ -411,13 +435,13 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
         f"the prompt's {length} tokens and --max-new-tokens {max_new_tokens} exceed the model's context of {context} tokens; "
         f"pass --max-new-tokens {context - length} or less" if length < context else f"shorten the prompt below {context} tokens",
     )
-    loaded = load_for_serving(spec, device)
+    loaded = load_for_serving(spec, device, activations)
     eos = loaded.model.generation_config.eos_token_id
     if draft is None:
         output, _ = greedy_decode(loaded.model, inputs["input_ids"], max_new_tokens, eos, cuda_graph=cuda_graphs and device == "cuda")
     else:
         model, token_ids = load_draft(draft, loaded, allow_other_target)
-        model.to(device)
+        model.to(device, activations)
         token_ids = None if token_ids is None else token_ids.to(device)
         result = speculative_greedy(loaded.model, model, inputs["input_ids"], max_new_tokens, lookahead, token_ids, eos)
         output = result.tokens

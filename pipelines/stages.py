@@ -36,7 +36,8 @@ from pipelines.artifact import (
 from pipelines.errors import LmpressError, require, require_input
 from pipelines.evaluation import LMHead, score_windows, size_metrics
 from pipelines.models import (
-    architecture_of, decoder_layers, head_dim_of, is_quantized, layer_linears, load_config, load_model, map_weights, release_weights, resolve_model,
+    architecture_of, cpu_multiplies_bf16, decoder_layers, head_dim_of, is_quantized, layer_linears, load_config, load_model, map_weights, release_weights,
+    resolve_model,
 )
 from pipelines.progress import progress_bar, stderr
 
@@ -405,13 +406,11 @@ DEFAULT_GRID = {"bits": 4, "group_size": 64}  # where the method leaves them fre
 
 def resolve_forward_dtype(name: str) -> str:
     """The sequential passes' dtype; `auto` is bfloat16 where the CPU multiplies it natively
-    (AVX512-BF16 or AMX: about 30% faster than float32, same quality) and float32 elsewhere,
-    where oneDNN emulates bf16 (an AVX2 Zen 3: a 2048x576 by 576x1536 linear 7.5x slower)."""
+    (`cpu_multiplies_bf16`; same quality) and float32 elsewhere."""
     require(name in ("auto", *FORWARD_DTYPES), f"forward dtype must be auto, float32 or bfloat16 (got '{name}')")
     if name != "auto":
         return name
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()  # torch's own CPU feature probes
-    return "bfloat16" if native else "float32"
+    return "bfloat16" if cpu_multiplies_bf16() else "float32"
 
 
 def resolve_where_it_applies(value: bool | None, applies: bool, refusal: str) -> bool:

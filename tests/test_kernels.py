@@ -180,6 +180,65 @@ def test_quantized_artifact_carries_kernels_and_validation(tmp_path, tiny_folder
     assert text.returncode == 0, text.stderr
 
 
+@pytest.mark.parametrize("bits, rows, columns, group, kind, group_run", [
+    (4, 48, 96, 32, "symmetric", 32), (4, 48, 576, 64, "asymmetric", 64), (4, 32, 576, None, "symmetric", 64),
+    (4, 16, 512, 128, "asymmetric", 128), (4, 144, 512, 512, "asymmetric", 256),
+    (4, 8, 64, 32, "symmetric", None), (4, 16, 80, 16, "symmetric", None), (3, 16, 64, 32, "symmetric", None), (4, 16, 64, None, "codebook", None),
+])
+def test_cpu_serves_bf16_through_torchs_int4_kernel_where_it_takes_the_weight(bits, rows, columns, group, kind, group_run):
+    """On a CPU (where no Triton kernel serves, interpreter or not) a PackedLinear serves bf16 activations through torch's int4 kernel for the 4-bit grids it takes: rows a multiple
+    of 16, groups of 32 or more (per channel and groups over 256 in 256-wide parts), zero points
+    folded into the offsets; the rest from a bf16 dense copy. Either is the reference within bf16
+    rounding; fp32 activations still get the exact fp32 dense copy. A layer repacked in 64-row
+    blocks is the layer repacked whole."""
+    from compressors import packed_int
+
+    weight = random_packed(bits, rows, columns, group, kind)
+    assert packed_int.cpu_int4_group(weight) == group_run
+    linear = PackedLinear(weight, None)
+    x = torch.randn(5, columns, generator=torch.Generator().manual_seed(0)).bfloat16()
+    expected = matmul_reference(x.float(), weight)
+    error = ((linear(x).float() - expected).norm() / expected.norm()).item()
+    assert linear(x).dtype == torch.bfloat16 and error <= 5e-3, error
+    if group_run:
+        assert isinstance(linear._cpu_int4, packed_int.CpuInt4Weight) and linear._dense is None
+        assert torch.equal(packed_int.cpu_int4(weight, block_rows=64).packed, linear._cpu_int4.packed)
+    else:
+        assert linear._cpu_int4 is False and linear._dense.dtype == torch.bfloat16
+    assert torch.equal(linear(x.float()), matmul_reference(x.float(), weight))
+
+
+def test_cpu_serves_a_quantized_model_in_bf16_from_its_packed_weights(tmp_path, tiny_folder, monkeypatch):
+    """`lmpress generate`'s loader on a CPU: in bf16 every 4-bit linear
+    of a quantized model runs torch's int4 kernel (no dense copy) and the logits are the bf16
+    decompressed model's within bf16 rounding; `generate` serves in the dtype asked for, and
+    `auto` resolves per device, to fp32 for speculative decoding (`serving_dtype`)."""
+    from compressors import packed_int
+    from pipelines.models import load_model
+    from pipelines.serving import generate, load_for_serving, serving_dtype
+
+    out = tmp_path / "q"
+    result = run_cli("quantize", "--model", tiny_folder, "--method", "rtn", "--bits", "4", "--group-size", "32", "--out", out)
+    assert result.returncode == 0, result.stderr
+    served, dense = load_for_serving(str(out), "cpu", torch.bfloat16).model, load_model(str(out), torch.bfloat16).model
+    ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, expected = served(ids).logits.float(), dense(ids).logits.float()
+    linears = [module for module in served.modules() if isinstance(module, PackedLinear)]
+    assert len(linears) == 28 and all(isinstance(m._cpu_int4, packed_int.CpuInt4Weight) and m._dense is None for m in linears)
+    assert ((logits - expected).norm() / expected.norm()).item() <= 2e-2
+    for dtype in ("bfloat16", "float32"):
+        assert isinstance(generate(str(out), "Hello", 3, dtype=dtype), str)
+    for native, expected_dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert serving_dtype("auto", "cpu") == expected_dtype and serving_dtype("auto", "cuda") == torch.float16
+        assert serving_dtype("auto", "cpu", speculative=True) == serving_dtype("auto", "cuda", speculative=True) == torch.float32
+    assert serving_dtype("float32", "cpu") == torch.float32
+    with pytest.raises(LmpressError, match="--dtype must be auto, float32, bfloat16, float16"):
+        serving_dtype("int4", "cpu")
+
+
 @pytest.mark.parametrize("kind", ["compressed-tensors", "compressed-tensors-asymmetric", "lmpress-packed"])
 def test_serving_load_never_holds_a_dense_copy_of_a_packed_weight(tmp_path, tiny_folder, kind):
     """load_for_serving builds the model empty and fills it from the files, so no float tensor

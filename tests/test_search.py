@@ -487,32 +487,40 @@ def test_greedy_steps_over_levels_of_equal_cost():
 
 def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup):
     """`lmpress latency` times every linear shape at every level as lmpress serves it here (the
-    CPU: a cached dense copy, so every level costs the same) and a decode step's other
-    parts; `search --budget-latency` keeps the predicted step within the budget, which here only
-    dropping blocks can buy; bad input fails in one line."""
+    CPU: in bf16 torch's int4 kernel for plain 4-bit levels and a cached dense copy for the rest,
+    one measurement a path; in fp32 a dense copy for every level, so every level costs the same)
+    and a decode step's other parts; `search --budget-latency` keeps the predicted step within
+    the budget, which here only dropping blocks can buy; bad input fails in one line."""
     import json
+
+    from pipelines.levels import parse_quantized_level
 
     model, calibration, levels = tiny_setup
     table_file = tmp_path / "latency.json"
-    result = run_cli("latency", "--model", model, "--levels", levels, "--context", "32", "--repeats", "5", "--out", table_file)
+    result = run_cli("latency", "--model", model, "--levels", levels, "--context", "32", "--repeats", "5", "--dtype", "bfloat16", "--out", table_file)
     assert result.returncode == 0, result.stderr
     table = json.loads(table_file.read_text())
-    assert table["device"] == "cpu" and set(table["linears"]) == {"64x64", "32x64", "96x64", "64x96"}
+    assert table["device"] == "cpu" and table["dtype"] == "bfloat16" and set(table["linears"]) == {"64x64", "32x64", "96x64", "64x96"}
+    int4 = {level for level in table["levels"] if level.startswith("bits") and parse_quantized_level(level)[::2] == (4, False)}  # 4-bit, not 2:4
+    assert int4 and len(int4) < len([level for level in table["levels"] if level.startswith("bits")])
     for shape, times in table["linears"].items():
-        assert set(times) == {"dense", *table["levels"]}
-        bits = [level for level in table["levels"] if level.startswith("bits")]
-        assert len({times[level] for level in bits}) == 1 and {times[f"sparsity{s}"] for s in (0.3, 0.6)} == {times["dense"]}  # one serving path each
-        assert set(table["paths"][shape].values()) == {"dense", "PackedLinear's dense copy"}
+        paths = table["paths"][shape]
+        assert set(times) == set(paths) == {"dense", *table["levels"]}
+        assert all(len({times[level] for level in paths if paths[level] == path}) == 1 for path in set(paths.values()))  # one measurement a path
+        assert {times[f"sparsity{s}"] for s in (0.3, 0.6)} == {times["dense"]}
+        assert {paths[level] for level in int4} == {"torch's CPU int4 kernel (groups of 32)"}
+        assert set(paths.values()) == {"dense", "PackedLinear's dense copy", "torch's CPU int4 kernel (groups of 32)"}
     assert table["step_s"] > table["outside_s"] > 0 and table["block_rest_s"] >= 0 and table["check"]["blocks_kept"] == 2
     # a machine with the architecture but not the weights (a GPU box): config.json alone, stamped with the database's base
     bare = tmp_path / "config-only"
     bare.mkdir()
     (bare / "config.json").write_text((model / "config.json").read_text())
     result = run_cli("latency", "--model", bare, "--levels", levels, "--context", "32", "--repeats", "2", "--random-weights", "--no-cuda-graphs",
-                     "--out", tmp_path / "bare.json")
+                     "--dtype", "float32", "--out", tmp_path / "bare.json")
     assert result.returncode == 0, result.stderr
     bare_table = json.loads((tmp_path / "bare.json").read_text())
     assert bare_table["base"] == table["base"] and table["params"]["cuda_graphs"] and not bare_table["params"]["cuda_graphs"]  # how it was timed
+    assert bare_table["dtype"] == "float32" and all(set(paths.values()) == {"dense", "PackedLinear's dense copy"} for paths in bare_table["paths"].values())
 
     searched = tmp_path / "searched"
     result = run_cli(*search_args(tiny_setup, searched, "--budget-latency", "0.95", "--latency", table_file, "--drop", "true", "--start", "sensitivity"))
@@ -538,6 +546,8 @@ def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup)
     assert result.returncode == 2 and "is a file, not a folder; build it with `lmpress levels`" in result.stderr
     result = refuse_in_process("latency", "--model", model, "--levels", levels, "--context", "500", "--out", tmp_path / "long.json")
     assert result.returncode == 2 and "--context 500 leaves no room" in result.stderr
+    result = refuse_in_process("latency", "--model", model, "--levels", levels, "--dtype", "int8", "--out", tmp_path / "long.json")
+    assert result.returncode == 2 and "--dtype must be auto, float32, bfloat16, float16 (got 'int8')" in result.stderr
     (bare / "config.json").write_text((bare / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
     result = refuse_in_process("latency", "--model", bare, "--levels", levels, "--random-weights", "--out", tmp_path / "long.json")
     assert result.returncode == 2 and "is not the architecture level database" in result.stderr
