@@ -44,14 +44,14 @@ def main() -> None:
     table = LatencyTable(args.latency).table
     config = LatencyConfig(**table["params"])
     device = config.torch_device()
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, table["dtype"])  # the table's own (bf16 on a CPU with native bf16 since stop 73), as `generate` serves
     torch.set_num_threads(table["threads"])
-    base = load_for_serving(args.base, str(device)).model.to(dtype)
+    base = load_for_serving(args.base, str(device), dtype).model
     rows = []
     for pair in args.models:
         folder, search = pair.split(":")
         predicted = json.loads((Path(search) / "search.json").read_text())["latency"]
-        model = load_for_serving(folder, str(device)).model.to(dtype)
+        model = load_for_serving(folder, str(device), dtype).model
         base_times, model_times = [], []
         for _ in range(args.rounds):
             base_times.append(decode_step_seconds(base, config, device))

@@ -614,7 +614,7 @@ def matmul_cpu_int4(x: torch.Tensor, weight: CpuInt4Weight) -> torch.Tensor:
     otherwise serves from, it ran a 4-bit layer 1.2-1.5x faster at one row (SmolLM2's 576- and
     1536-wide layers) and 4x at 4096x4096, as fast at 128-512 rows, in an eighth of the memory
     (benchmarks/cpu_serving.py)."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.packed, weight.group, weight.scales_and_offsets)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, weight.group, weight.scales_and_offsets)  # (it refuses strided x)
 
 
 def dequantize_triton(weight: PackedWeight, dtype=torch.float16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:

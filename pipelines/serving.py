@@ -188,7 +188,7 @@ def serving_dtype(name: str, device: str, speculative: bool = False) -> torch.dt
     verifies the draft's tokens in one pass over several positions, and in bf16 that rounds
     otherwise than one token a pass (the pipeline's draft and W4 target diverged within 64 tokens;
     in fp32 they agreed)."""
-    require(name in ("auto", *SERVING_DTYPES), f"--dtype must be auto, {', '.join(SERVING_DTYPES)} (got '{name}'); pass e.g. --dtype auto")
+    require(name in ("auto", *SERVING_DTYPES), f"--dtype must be auto, float32, bfloat16 or float16 (got '{name}'); pass e.g. --dtype auto")
     if name != "auto":
         return SERVING_DTYPES[name]
     if speculative:
@@ -357,7 +357,7 @@ def load_draft(spec: str, target: LoadedModel, allow_other_target: bool = False)
 def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | list[int] | None = None,
                   cuda_graph: bool = False) -> tuple[torch.Tensor, bool]:
     """Greedy decoding of `input_ids` [1, n]: the argmax at each step (as `speculative_greedy`,
-    so a draft changes the number of forwards, never the text), `max_new_tokens` new tokens or
+    so in fp32 a draft changes the number of forwards, not the text), `max_new_tokens` new tokens or
     up to and including an end-of-text one. Returns the tokens [1, n + new] and whether a CUDA
     graph ran the steps.
 
@@ -413,7 +413,8 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
              cuda_graphs: bool = True, dtype: str = "auto") -> str:
     """Greedy continuation (`greedy_decode`: on a GPU each step a CUDA graph's replay unless
     `cuda_graphs` is off) in `dtype` (`serving_dtype`); with a `draft`, by speculative decoding
-    (the same text, fewer target forwards; the counts go to stderr)."""
+    (in fp32: the text plain decoding gives in fp32, in fewer target forwards; the counts go to
+    stderr, as does a note where the dtype differs from plain decoding's)."""
     from compressors.speculative import speculative_greedy
     from pipelines.progress import stderr
 
@@ -424,6 +425,11 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
     require(lookahead > 0, f"--lookahead must be positive (got {lookahead}); pass e.g. --lookahead 4")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     activations = serving_dtype(dtype, device, speculative=draft is not None)
+    if draft is not None and activations != serving_dtype(dtype, device):
+        stderr.print("note: with --draft, --dtype auto serves float32, whose text is the target's own; without --draft it would serve "
+                     f"{str(serving_dtype(dtype, device)).removeprefix('torch.')}", markup=False, highlight=False)
+    elif draft is not None and activations != torch.float32:
+        stderr.print(f"note: in {dtype} the speculative text may differ from plain decoding's; --dtype float32 keeps it the same", markup=False, highlight=False)
     # The prompt is checked against the context from the config and tokenizer alone, before the
     # weights load: a too-long request is told so at once, not after a load and its progress bars.
     folder = resolve_model(spec)

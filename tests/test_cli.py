@@ -184,7 +184,7 @@ def test_evaluate_generate_and_validate_refuse_bad_paths_and_values(tmp_path):
     assert_user_error(refuse_in_process("generate", REAL_MODEL, " "), "the prompt is empty")
     assert_user_error(refuse_in_process("generate", REAL_MODEL, "Hi", "--max-new-tokens", "0"), "--max-new-tokens must be positive (got 0)")
     assert_user_error(refuse_in_process("generate", REAL_MODEL, "Hi", "--lookahead", "8"), "--lookahead sets how many tokens a draft proposes; pass --draft MODEL")
-    assert_user_error(refuse_in_process("generate", REAL_MODEL, "Hi", "--dtype", "int4"), "--dtype must be auto, float32, bfloat16, float16 (got 'int4')")
+    assert_user_error(refuse_in_process("generate", REAL_MODEL, "Hi", "--dtype", "int4"), "--dtype must be auto, float32, bfloat16 or float16 (got 'int4')")
     assert_user_error(refuse_in_process("evaluate", REAL_MODEL, "--reference", tmp_path / "ref", "--windows", "2", "--seq-len", "100000"),
                       "1 windows of 100000, fewer than the 2 needed; pass a smaller --windows or --seq-len, or more text")
     assert_user_error(refuse_in_process("validate", REAL_MODEL, "--out", tmp_path), f"output path {tmp_path} is a directory")

@@ -202,7 +202,9 @@ def test_cpu_serves_bf16_through_torchs_int4_kernel_where_it_takes_the_weight(bi
     assert linear(x).dtype == torch.bfloat16 and error <= 5e-3, error
     if group_run:
         assert isinstance(linear._cpu_int4, packed_int.CpuInt4Weight) and linear._dense is None
-        assert torch.equal(packed_int.cpu_int4(weight, block_rows=64).packed, linear._cpu_int4.packed)
+        whole = -(-rows // 64) * 64
+        assert torch.equal(packed_int.cpu_int4(weight, block_rows=64).packed, packed_int.cpu_int4(weight, block_rows=whole).packed)
+        assert torch.equal(linear(torch.cat([x, x], dim=1)[:, :columns]), linear(x))  # a strided x as a contiguous one
     else:
         assert linear._cpu_int4 is False and linear._dense.dtype == torch.bfloat16
     assert torch.equal(linear(x.float()), matmul_reference(x.float(), weight))
@@ -235,7 +237,7 @@ def test_cpu_serves_a_quantized_model_in_bf16_from_its_packed_weights(tmp_path, 
         assert serving_dtype("auto", "cpu") == expected_dtype and serving_dtype("auto", "cuda") == torch.float16
         assert serving_dtype("auto", "cpu", speculative=True) == serving_dtype("auto", "cuda", speculative=True) == torch.float32
     assert serving_dtype("float32", "cpu") == torch.float32
-    with pytest.raises(LmpressError, match="--dtype must be auto, float32, bfloat16, float16"):
+    with pytest.raises(LmpressError, match="--dtype must be auto, float32, bfloat16 or float16"):
         serving_dtype("int4", "cpu")
 
 

@@ -547,7 +547,7 @@ def test_latency_table_and_a_search_under_a_latency_budget(tmp_path, tiny_setup)
     result = refuse_in_process("latency", "--model", model, "--levels", levels, "--context", "500", "--out", tmp_path / "long.json")
     assert result.returncode == 2 and "--context 500 leaves no room" in result.stderr
     result = refuse_in_process("latency", "--model", model, "--levels", levels, "--dtype", "int8", "--out", tmp_path / "long.json")
-    assert result.returncode == 2 and "--dtype must be auto, float32, bfloat16, float16 (got 'int8')" in result.stderr
+    assert result.returncode == 2 and "--dtype must be auto, float32, bfloat16 or float16 (got 'int8')" in result.stderr
     (bare / "config.json").write_text((bare / "config.json").read_text().replace('"hidden_size": 64', '"hidden_size": 128'))
     result = refuse_in_process("latency", "--model", bare, "--levels", levels, "--random-weights", "--out", tmp_path / "long.json")
     assert result.returncode == 2 and "is not the architecture level database" in result.stderr
