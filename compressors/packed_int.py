@@ -611,9 +611,9 @@ def cpu_int4(weight: PackedWeight, block_rows: int | None = None) -> CpuInt4Weig
 
 def matmul_cpu_int4(x: torch.Tensor, weight: CpuInt4Weight) -> torch.Tensor:
     """x [M, K] (bf16) @ W^T by torch's CPU int4 kernel. Against the fp32 dense copy the CPU
-    otherwise serves from, it ran a 4-bit layer 1.2-1.5x faster at one row (SmolLM2's 576- and
-    1536-wide layers) and 4x at 4096x4096, as fast at 128-512 rows, in an eighth of the memory
-    (benchmarks/cpu_serving.py)."""
+    otherwise serves from, it ran a 4-bit layer 1.23-1.43x faster at one row (SmolLM2's 576- and
+    1536-wide layers) and 4.18x at 4096x4096, 0.89-1.09x as fast at 128 rows, its weight in an
+    eighth of the bytes (benchmarks/results/cpu_serving.md)."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), weight.packed, weight.group, weight.scales_and_offsets)  # (it refuses strided x)
 
 

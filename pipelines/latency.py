@@ -201,8 +201,8 @@ def serving_module(level: str, rows: int, columns: int, dtype: torch.dtype, devi
         weight = random_packed_weight(bits, rows, columns, group_size, stored).to(device)
         kernel = serving_kernel(weight, device)
         module = PackedLinear(weight, None).to(device)
-        if kernel is None and device.type == "cpu" and dtype == torch.bfloat16 and cpu_int4_group(weight):
-            return module, f"torch's CPU int4 kernel (groups of {cpu_int4_group(weight)})", weight.nbytes
+        if kernel is None and device.type == "cpu" and dtype == torch.bfloat16 and (group := cpu_int4_group(weight)):
+            return module, f"torch's CPU int4 kernel (groups of {group})", weight.nbytes
         if kernel is None:  # every other level runs the same code on a dense copy (fp32 on the CPU but for bf16 x): one path, one measurement
             return module, "PackedLinear's dense copy", rows * columns * 4 if device.type == "cpu" and dtype != torch.bfloat16 else dense_bytes
         return module, f"{kernel.name} ({weight.kind}, {bits}-bit, group {group_size})", weight.nbytes

@@ -307,8 +307,10 @@ def _loading_section(facts: ArtifactFacts, repo_id: str) -> list[str]:
     lines += [
         "With lmpress (serves packed weights with the kernels in `kernels/`):", "", "```bash",
         f'lmpress generate {repo_id} "Once upon a time"', "```", "", "```python",
-        "from pipelines.serving import load_for_serving", "",
-        f'loaded = load_for_serving("{repo_id}")  # .model, .tokenizer', "```", "",
+        "import torch", "from pipelines.serving import load_for_serving, serving_dtype", "",
+        'device = "cuda" if torch.cuda.is_available() else "cpu"',
+        "# generate's dtype: fp16 on a GPU; bf16 on a CPU that multiplies it natively (torch's int4 kernel serves 4-bit grids)",
+        f'loaded = load_for_serving("{repo_id}", device, serving_dtype("auto", device))  # .model, .tokenizer', "```", "",
     ]
     if vllm:
         lines += ["vLLM:", "", "```bash", f"vllm serve {repo_id}", "```", ""]

@@ -383,29 +383,34 @@ def greedy_decode(model: torch.nn.Module, input_ids: torch.Tensor, max_new_token
     def new_cache():
         return StaticCache(config=model.config, max_cache_len=prompt + max_new_tokens)
 
-    def decode_step(cache, token: torch.Tensor, position: torch.Tensor):
-        """One step: token [1, 1] at position [1] in, the next token out in its place."""
+    def decode_step(cache, token: torch.Tensor, position: torch.Tensor, finite: torch.Tensor):
+        """One step: token [1, 1] at position [1] in, the next token out in its place; `finite`
+        stays true while every logit has been finite (checked once, after the loop)."""
         def step():
             logits = model(input_ids=token, position_ids=position.view(1, 1), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
             token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+            finite.logical_and_(logits.isfinite().all())
             position.add_(1)
         return step
 
     cache = new_cache()
     logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    token = logits[:, -1].argmax(-1, keepdim=True)
+    token, finite = logits[:, -1].argmax(-1, keepdim=True), logits.isfinite().all()
     position = torch.full((1,), prompt, dtype=torch.long, device=device)
-    step, graphed = decode_step(cache, token, position), False
+    step, graphed = decode_step(cache, token, position, finite), False
     if cuda_graph and max_new_tokens > 1:
         try:
-            # the warm-up steps run on a throwaway cache, token and position: the real ones are untouched
-            step, graphed = capture_graph(step, warm_up=decode_step(new_cache(), token.clone(), position.clone())).replay, True
+            # the warm-up steps run on a throwaway cache, token, position and flag: the real ones are untouched
+            step, graphed = capture_graph(step, warm_up=decode_step(new_cache(), token.clone(), position.clone(), finite.clone())).replay, True
         except RuntimeError as error:  # e.g. an op that synchronizes; the steps are still right eagerly
             stderr.print(f"warning: CUDA graph capture failed ({str(error).splitlines()[0][:200]}); decoding eagerly", markup=False, highlight=False)
     new = [token.clone()]
     while len(new) < max_new_tokens and not torch.isin(new[-1], stops).any():
         step()
         new.append(token.clone())
+    # argmax of a nan or inf row is a token all the same: without this, an overflow decodes as gibberish
+    require(bool(finite), f"the model's logits overflowed {str(logits.dtype).removeprefix('torch.')} (inf or nan); "
+            + ("pass --dtype bfloat16 or --dtype float32: float16 ends at 65504" if logits.dtype == torch.float16 else "pass --dtype float32"))
     return until_stop(torch.cat([input_ids, *new], dim=1), prompt, stops, max_new_tokens), graphed
 
 
@@ -424,10 +429,10 @@ def generate(spec: str, prompt: str, max_new_tokens: int = 40, draft: str | None
     lookahead = 4 if lookahead is None else lookahead
     require(lookahead > 0, f"--lookahead must be positive (got {lookahead}); pass e.g. --lookahead 4")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    activations = serving_dtype(dtype, device, speculative=draft is not None)
-    if draft is not None and activations != serving_dtype(dtype, device):
+    activations, plain = serving_dtype(dtype, device, speculative=draft is not None), serving_dtype(dtype, device)
+    if draft is not None and activations != plain:
         stderr.print("note: with --draft, --dtype auto serves float32, whose text is the target's own; without --draft it would serve "
-                     f"{str(serving_dtype(dtype, device)).removeprefix('torch.')}", markup=False, highlight=False)
+                     f"{str(plain).removeprefix('torch.')}", markup=False, highlight=False)
     elif draft is not None and activations != torch.float32:
         stderr.print(f"note: in {dtype} the speculative text may differ from plain decoding's; --dtype float32 keeps it the same", markup=False, highlight=False)
     # The prompt is checked against the context from the config and tokenizer alone, before the

@@ -108,6 +108,19 @@ def test_publish_sends_every_file_in_one_commit_and_the_download_reloads(quantiz
     with torch.no_grad():
         torch.testing.assert_close(stock(ids).logits, own(ids).logits, rtol=0, atol=1e-4)
 
+    # the card's lmpress snippet runs as written, pointed at the download: packed linears, the dtype generate serves in
+    from compressors.kernels import PackedLinear
+    from pipelines.serving import serving_dtype
+
+    (snippet,) = [block for block in re.findall(r"```python\n(.*?)```", card, re.S) if "load_for_serving" in block]
+    namespace = {}
+    exec(snippet.replace('"tester/tiny-rtn4"', repr(str(downloaded))), namespace)  # noqa: S102  (the card's own text)
+    served = namespace["loaded"].model
+    assert any(isinstance(module, PackedLinear) for module in served.modules())
+    with torch.no_grad():
+        logits = served(ids).logits
+    assert logits.dtype == serving_dtype("auto", "cpu") and logits.isfinite().all()
+
 
 def test_dry_run_writes_the_upload_folder_without_a_token_or_network(quantized, tmp_path, monkeypatch):
     from pipelines.publish import PublishConfig, publish

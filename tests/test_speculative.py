@@ -96,6 +96,21 @@ def test_plain_greedy_decoding_on_a_static_cache_is_generates_output(family):
     assert torch.equal(greedy_decode(target, prompt, 1)[0], greedy[:, : prompt.shape[1] + 1])
 
 
+def test_greedy_decoding_says_when_the_logits_overflow_and_names_a_wider_dtype():
+    """Argmax of an inf or nan row still picks a token, so an fp16 overflow (a model trained in
+    bf16 with activations past 65504, as Gemma's are) would decode as gibberish; it is one error
+    naming --dtype instead. The same model in fp32 decodes."""
+    from pipelines.errors import LmpressError
+    from pipelines.serving import greedy_decode
+
+    model = tiny_model("llama")
+    model.model.norm.weight.data.fill_(1e6)  # the last hidden state past fp16's range
+    prompt = torch.randint(0, 320, (1, 5), generator=torch.Generator().manual_seed(0))
+    assert greedy_decode(model, prompt, 4)[0].shape == (1, 9)
+    with pytest.raises(LmpressError, match=r"overflowed float16 .*--dtype bfloat16 or --dtype float32"):
+        greedy_decode(model.half(), prompt, 4)
+
+
 def test_decoding_benchmark_runs_here(tmp_path, tiny_folder):
     """benchmarks/decode_graphs.py (CUDA graphs against eager decoding; its timing is a GPU's):
     on the CPU it decodes the dense and the packed model with generate and eagerly, and each
